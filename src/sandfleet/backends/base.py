@@ -1,0 +1,85 @@
+"""The interface every sandbox backend implements.
+
+A backend only knows how a box *starts, stops and is reached*: what runs inside
+is the same in-sandbox agent for every stateful kind, so exec and file
+operations go through :class:`sandfleet.guest.client.AgentClient` on the
+endpoint the backend returns. Modelled on containerd's sandbox controller
+(create, stop, status, metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Backend", "BoxHandle", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """A validated request, resolved to local layer files.
+
+    ``layers`` are EROFS files, bottom first. ``memory_mb`` in MiB, ``cpu`` in
+    cores, ``disk_mb`` bounds the writable layer (None: unbounded).
+    """
+
+    id: str
+    kind: str
+    layers: list[Path]
+    cpu: float
+    memory_mb: int
+    pids_limit: int
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+
+@dataclass
+class BoxHandle:
+    """A running box: where its agent listens, plus backend-private state."""
+
+    id: str
+    agent_socket: Path
+    pid: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One isolation level on one node.
+
+    Implementations must leave nothing behind (process, mount, cgroup,
+    namespace, directory) when ``create`` fails halfway or ``destroy`` runs,
+    and ``destroy`` must be idempotent.
+    """
+
+    kind: str
+
+    def capabilities(self) -> dict[str, Any]:
+        """What was probed at start (cgroup version, runc version, ...)."""
+        ...
+
+    async def create(self, spec: SandboxSpec) -> BoxHandle:
+        """Start a box and return once its agent answers.
+
+        Raises ``InvalidArgument`` for impossible limits, ``ResourceExhausted``
+        when the node cannot host it, ``Internal`` for anything else (after
+        cleaning up).
+        """
+        ...
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Kill every process of the box and remove all it created. Idempotent."""
+        ...
+
+    def oom_kills(self, sandbox_id: str) -> int:
+        """Processes the box's memory limit has killed so far (cgroup counter)."""
+        ...
+
+    async def recover(self) -> list[BoxHandle]:
+        """Boxes that survived a restart of the node agent, to adopt them."""
+        ...
+
+    async def close(self) -> None:
+        """Release node-wide resources (layer mounts); boxes are left running."""
+        ...

@@ -1,0 +1,174 @@
+"""The OCI runtime config (``config.json``, runtime spec 1.0.2) of one sandbox.
+
+Written by code rather than by patching ``runc spec`` output: what a sandbox
+may see and do is then in one reviewable place. The defaults mirror runc's
+own ``runc spec`` (capabilities, masked and read-only paths, /dev mounts),
+minus the terminal and plus our limits, seccomp filter and the agent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sandfleet.backends.container.seccomp import seccomp_profile
+
+__all__ = [
+    "AGENT_PATH",
+    "AGENT_SOCKET",
+    "CPU_PERIOD_US",
+    "DEFAULT_CAPS",
+    "MASKED_PATHS",
+    "READONLY_PATHS",
+    "RUN_DIR",
+    "oci_config",
+]
+
+RUN_DIR = "/.sandfleet/run"
+AGENT_PATH = "/.sandfleet/agent"
+AGENT_SOCKET = f"{RUN_DIR}/agent.sock"
+CPU_PERIOD_US = 100_000
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# runc's default set: enough to send signals and bind low ports, nothing else.
+DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+
+# As in `runc spec` (1.1): hidden behind /dev/null (files) or an empty
+# read-only tmpfs (directories) ...
+MASKED_PATHS = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+]
+# ... and remounted read-only.
+READONLY_PATHS = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+]
+
+
+def oci_config(
+    *,
+    sandbox_id: str,
+    agent_host_path: str,
+    run_host_dir: str,
+    env: dict[str, str],
+    memory_mb: int,
+    cpu: float,
+    pids_limit: int,
+    cgroups_path: str,
+    nofile: int = 1024,
+) -> dict[str, Any]:
+    """The config.json object for one sandbox; the rootfs is ``<bundle>/rootfs``.
+
+    ``memory_mb`` in MiB (swap limit equal, i.e. no swap), ``cpu`` in cores
+    (CFS quota over a 100 ms period), ``pids_limit`` in tasks. ``agent_host_path``
+    and ``run_host_dir`` are node paths bind-mounted at :data:`AGENT_PATH`
+    (read-only) and :data:`RUN_DIR`. Does no I/O and validates nothing: the
+    backend checks limits first. ``nofile`` must not exceed the caller's own
+    hard RLIMIT_NOFILE: runc sets it after dropping CAP_SYS_RESOURCE.
+    """
+    mem_bytes = memory_mb * 1024 * 1024
+    environ = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm"}
+    environ.update(env)
+    caps = list(DEFAULT_CAPS)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH, "--socket", AGENT_SOCKET],
+            "env": [f"{k}={v}" for k, v in environ.items()],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps,
+                "effective": caps,
+                "permitted": caps,
+                "inheritable": [],
+                "ambient": [],
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": sandbox_id[:63],
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": AGENT_PATH,
+                "type": "bind",
+                "source": agent_host_path,
+                "options": ["rbind", "ro", "nosuid", "nodev"],
+            },
+            {
+                "destination": RUN_DIR,
+                "type": "bind",
+                "source": run_host_dir,
+                "options": ["rbind", "rw", "nosuid", "nodev", "noexec"],
+            },
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+                # A fresh network namespace: runc brings its loopback up
+                # (specconv adds a "loopback" network for a new netns).
+                {"type": "network"},
+                {"type": "cgroup"},
+            ],
+            "cgroupsPath": cgroups_path,
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                "memory": {"limit": mem_bytes, "swap": mem_bytes},
+                "cpu": {
+                    "quota": max(1000, round(cpu * CPU_PERIOD_US)),
+                    "period": CPU_PERIOD_US,
+                },
+                "pids": {"limit": pids_limit},
+            },
+            "seccomp": seccomp_profile(),
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+        },
+    }

@@ -1,0 +1,118 @@
+"""Node-wide, read-only EROFS mounts of layer files, shared by all sandboxes.
+
+A layer file is mounted once (file-backed, through mount(2)) at
+``<root>/<name>`` and serves every sandbox stacking it. Mounts are refcounted
+and kept as a cache while the node lives: the next sandbox on the same image
+then pays no mount at all. :meth:`LayerCache.close` unmounts the unused ones;
+mounts that survive a restart of the node agent are adopted by
+:meth:`LayerCache.adopt`.
+
+Not thread-safe: the backend calls it from one event loop, and no method
+awaits, so each call is atomic there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from sandfleet.node.mounts import MNT_DETACH, MS_RDONLY, mount, mounts_under, umount
+from sandfleet.wire.errors import Internal, NotFound
+
+__all__ = ["LayerCache"]
+
+_MS_NODEV = 0x4
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def layer_name(layer: Path) -> str:
+    """The mount directory name of a layer file.
+
+    Keyed by the file's real path *and* inode, so a file replaced in place
+    (new inode) gets a fresh mount instead of the stale one.
+    """
+    real = os.path.realpath(layer)
+    st = os.stat(real)
+    digest = hashlib.sha256(f"{real}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:16]
+    stem = _UNSAFE.sub("_", Path(real).name)[:48]
+    return f"{stem}-{digest}"
+
+
+class LayerCache:
+    """Refcounted EROFS mounts under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._refs: dict[str, int] = {}
+
+    def acquire(self, layer: Path) -> tuple[str, Path]:
+        """Mount ``layer`` if needed and take a reference; returns (name, mount point).
+
+        Raises ``NotFound`` when the file is missing and ``Internal`` when the
+        kernel refuses to mount it (not an EROFS image, corrupt).
+        """
+        try:
+            name = layer_name(layer)
+        except FileNotFoundError:
+            raise NotFound(f"layer file {layer} does not exist on this node") from None
+        point = self.root / name
+        if name not in self._refs:
+            point.mkdir(parents=True, exist_ok=True)
+            try:
+                mount(os.path.realpath(layer), point, "erofs", MS_RDONLY | _MS_NODEV)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    point.rmdir()
+                raise Internal(f"cannot mount layer {layer} (not a valid EROFS image?): {e}") from e
+            self._refs[name] = 0
+        self._refs[name] += 1
+        return name, point
+
+    def take(self, name: str) -> bool:
+        """Add a reference to an already mounted layer (adopted boxes); False if unknown."""
+        if name not in self._refs:
+            return False
+        self._refs[name] += 1
+        return True
+
+    def release(self, name: str) -> None:
+        """Drop one reference; the mount stays as a cache until :meth:`close`."""
+        if self._refs.get(name, 0) > 0:
+            self._refs[name] -= 1
+
+    def mounted(self) -> dict[str, int]:
+        """Mounted layer names and their reference counts."""
+        return dict(self._refs)
+
+    def adopt(self) -> list[str]:
+        """Register layer mounts left by a previous run (refcount 0); returns their names.
+
+        Empty directories without a mount are removed.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        points = set(mounts_under(self.root))
+        for entry in self.root.iterdir():
+            if str(entry.resolve()) in points:
+                self._refs.setdefault(entry.name, 0)
+            elif entry.is_dir():
+                with contextlib.suppress(OSError):
+                    entry.rmdir()
+        return sorted(self._refs)
+
+    def close(self) -> list[str]:
+        """Unmount every layer with no user; returns the names still in use."""
+        for name, refs in list(self._refs.items()):
+            if refs:
+                continue
+            point = self.root / name
+            try:
+                umount(point)
+            except OSError:
+                umount(point, MNT_DETACH)  # busy only through a stray process
+            with contextlib.suppress(OSError):
+                point.rmdir()
+            del self._refs[name]
+        return sorted(self._refs)

@@ -1,0 +1,99 @@
+"""A local all-in-one deployment (``sandfleet up``) run as a child process.
+
+Used by the demo when no ``--url`` is given, and by tests and benchmarks, so
+they all talk to real servers over HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from sandfleet.cli.serve import free_port
+from sandfleet.wire.errors import Unavailable
+
+__all__ = ["LocalDeployment"]
+
+
+class LocalDeployment:
+    """``sandfleet up`` on free ports with its state under ``state_dir``.
+
+    Use as a context manager; ``url`` is the control plane's base URL. Exiting
+    stops the servers (SIGTERM), which destroys the sandboxes they host.
+    Raises Unavailable when the deployment does not become ready within
+    ``ready_timeout_s`` seconds (its log is in the message).
+    """
+
+    def __init__(
+        self, state_dir: Path, images_dir: Path | None = None, ready_timeout_s: float = 60.0
+    ) -> None:
+        self.state_dir = state_dir
+        self.images_dir = images_dir or state_dir / "images"
+        self.port = free_port()
+        self.node_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = state_dir / "up.log"
+        self._ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> LocalDeployment:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        cmd = [
+            sys.executable, "-m", "sandfleet.cli", "up",
+            "--state-dir", str(self.state_dir), "--images-dir", str(self.images_dir),
+            "--port", str(self.port), "--node-port", str(self.node_port),
+        ]
+        env = {**os.environ, "SANDFLEET_LOG_LEVEL": os.environ.get("SANDFLEET_LOG_LEVEL", "warning")}
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+        finally:
+            log.close()
+        deadline = time.monotonic() + self._ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            try:
+                nodes = httpx.get(f"{self.url}/v1/nodes", timeout=1.0).json()["nodes"]
+                if any(n["healthy"] for n in nodes):
+                    return self
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise Unavailable(f"`sandfleet up` did not become ready; its log:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM and wait; SIGKILL if it does not stop within ``timeout_s`` seconds."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the deployment, as a crash would (sandboxes keep running)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

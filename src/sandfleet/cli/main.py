@@ -1,0 +1,146 @@
+"""The ``sandfleet`` command line."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import click
+
+from sandfleet.config import DEFAULT_URL, default_images_dir, default_state_dir
+from sandfleet.wire.errors import SandfleetError
+
+__all__ = ["main"]
+
+_state_opt = click.option(
+    "--state-dir", type=click.Path(path_type=Path), default=None,
+    help="State directory (env SANDFLEET_STATE_DIR; default /var/lib/sandfleet as root).",
+)
+_images_opt = click.option(
+    "--images-dir", type=click.Path(path_type=Path), default=None,
+    help="Image store (env SANDFLEET_IMAGES_DIR; default <state-dir>/images).",
+)
+
+
+def _dirs(state_dir: Path | None, images_dir: Path | None) -> tuple[Path, Path]:
+    state = (state_dir or default_state_dir()).resolve()
+    return state, (images_dir or default_images_dir(state)).resolve()
+
+
+def _cluster_token(state_dir: Path, token: str | None) -> str:
+    """The cluster token: given, or from SANDFLEET_TOKEN, or kept in <state-dir>/token."""
+    token = token or os.environ.get("SANDFLEET_TOKEN")
+    if token:
+        return token
+    path = state_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    return token
+
+
+@click.group()
+@click.version_option(package_name="sandfleet")
+def cli() -> None:
+    """sandfleet: elastic sandboxes for training and evaluating AI agents with RL."""
+
+
+@cli.command()
+@_state_opt
+@_images_opt
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7070, show_default=True, help="Control plane port.")
+@click.option("--node-port", default=7071, show_default=True, help="Node agent port.")
+@click.option("--max-sandboxes", default=1000, show_default=True)
+@click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
+def up(
+    state_dir: Path | None, images_dir: Path | None, host: str, port: int, node_port: int,
+    max_sandboxes: int, keep: bool,
+) -> None:
+    """Run a control plane and one node agent together on embedded defaults."""
+    from sandfleet.cli.serve import build_node_app, run_servers
+    from sandfleet.controlplane.app import create_app
+
+    state, images = _dirs(state_dir, images_dir)
+    token = _cluster_token(state, None)
+    cp_url = f"http://{host}:{port}"
+    cp = create_app(db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token)
+    node = build_node_app(
+        node_id="local", state_dir=state, images_dir=images, token=token, control_plane=cp_url,
+        advertise=f"http://{host}:{node_port}", max_sandboxes=max_sandboxes, memory_mb=None,
+        destroy_on_exit=not keep,
+    )
+    click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
+    run_servers([(cp, host, port), (node, host, node_port)])
+
+
+@cli.command()
+@_state_opt
+@_images_opt
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7070, show_default=True)
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default SQLite in state dir).")
+@click.option("--token", default=None, help="Cluster token nodes must present (env SANDFLEET_TOKEN).")
+def controlplane(
+    state_dir: Path | None, images_dir: Path | None, host: str, port: int, db: str | None,
+    token: str | None,
+) -> None:
+    """Run the control plane alone."""
+    from sandfleet.cli.serve import run_servers
+    from sandfleet.controlplane.app import create_app
+
+    state, images = _dirs(state_dir, images_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    app = create_app(
+        db_url=db or f"sqlite:///{state / 'controlplane.db'}", images_dir=images,
+        node_token=_cluster_token(state, token),
+    )
+    run_servers([(app, host, port)])
+
+
+@cli.command()
+@_state_opt
+@_images_opt
+@click.option("--node-id", required=True, help="This node's id: a-z, 0-9, '-'.")
+@click.option("--control-plane", default=DEFAULT_URL, show_default=True)
+@click.option("--token", default=None, help="Cluster token (env SANDFLEET_TOKEN).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7071, show_default=True)
+@click.option("--advertise", default=None, help="URL the control plane reaches this node at.")
+@click.option("--max-sandboxes", default=1000, show_default=True)
+@click.option("--memory-mb", default=None, type=int, help="Memory to admit (MiB).")
+def node(
+    state_dir: Path | None, images_dir: Path | None, node_id: str, control_plane: str,
+    token: str | None, host: str, port: int, advertise: str | None, max_sandboxes: int,
+    memory_mb: int | None,
+) -> None:
+    """Run a node agent that registers with a control plane."""
+    from sandfleet.cli.serve import build_node_app, run_servers
+
+    state, images = _dirs(state_dir, images_dir)
+    app = build_node_app(
+        node_id=node_id, state_dir=state, images_dir=images,
+        token=_cluster_token(state, token), control_plane=control_plane,
+        advertise=advertise or f"http://{host}:{port}", max_sandboxes=max_sandboxes,
+        memory_mb=memory_mb, destroy_on_exit=False,
+    )
+    run_servers([(app, host, port)])
+
+
+def main() -> None:
+    """Entry point: sandfleet errors print their message, not a traceback."""
+    from sandfleet.cli import demo as _demo  # noqa: F401 - registers `demo`
+    from sandfleet.cli import images as _images  # noqa: F401 - registers `image`
+
+    try:
+        cli(standalone_mode=True)
+    except SandfleetError as exc:
+        click.echo(f"error ({exc.code}): {exc.message}", err=True)
+        sys.exit(2)
+

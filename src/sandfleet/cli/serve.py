@@ -1,0 +1,104 @@
+"""Running the servers: control plane, node agent, or both (``up``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from sandfleet.wire.models import NodeCapacity, NodeRegistration
+
+__all__ = ["build_node_app", "run_servers"]
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server whose signals are handled by :func:`run_servers` for all at once."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _config(app: object, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        log_level=os.environ.get("SANDFLEET_LOG_LEVEL", "warning"),
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        lifespan="on",
+    )
+
+
+def run_servers(apps: list[tuple[object, str, int]]) -> None:
+    """Serve each ``(app, host, port)`` in one event loop until SIGINT or SIGTERM."""
+    servers = [_Server(_config(app, host, port)) for app, host, port in apps]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in servers])
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(main())
+
+
+def build_node_app(
+    *,
+    node_id: str,
+    state_dir: Path,
+    images_dir: Path,
+    token: str | None,
+    control_plane: str | None,
+    advertise: str,
+    max_sandboxes: int,
+    memory_mb: int | None,
+    destroy_on_exit: bool,
+) -> object:
+    """A node agent app with the container backend, ready for :func:`run_servers`."""
+    from sandfleet.backends.registry import load_backends
+    from sandfleet.controlplane.ids import validate_node_id
+    from sandfleet.node.app import create_node_app
+    from sandfleet.node.service import NodeService
+
+    validate_node_id(node_id)
+    node_dir = state_dir / "nodes" / node_id
+    backends = load_backends(node_dir)
+    host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    capacity = NodeCapacity(
+        max_sandboxes=max_sandboxes,
+        cpu=float(os.cpu_count() or 1),
+        # Memory limits are ceilings, not use: allow 4x overcommit by default.
+        memory_mb=memory_mb or host_mb * 4,
+    )
+    service = NodeService(node_id, node_dir, images_dir, backends, capacity)
+    registration = NodeRegistration(
+        node_id=node_id,
+        address=advertise,
+        kinds=sorted(backends),  # type: ignore[arg-type]
+        capacity=capacity,
+        capabilities={k: b.capabilities() for k, b in backends.items()},
+    )
+    return create_node_app(
+        service,
+        token=token,
+        control_plane=control_plane,
+        registration=registration,
+        destroy_on_exit=destroy_on_exit,
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (for tests and ``up --port 0``)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

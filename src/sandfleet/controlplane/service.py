@@ -1,0 +1,307 @@
+"""The control plane's logic: nodes, placement, sandbox records, routing, TTLs.
+
+It never holds a sandbox's live state (the node does); what it keeps is in the
+store, so it can restart, or run as several instances, without losing any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandfleet.controlplane.ids import new_sandbox_id, node_of, validate_node_id
+from sandfleet.controlplane.nodeclient import NodeClients
+from sandfleet.controlplane.placement import Infeasible, NodeLoad, Placed, place
+from sandfleet.controlplane.store import Store
+from sandfleet.wire.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SandfleetError,
+    Unavailable,
+)
+from sandfleet.wire.models import (
+    BUILT_KINDS,
+    KINDS,
+    CreateSandboxRequest,
+    ImageManifest,
+    NodeCreateRequest,
+    NodeHeartbeat,
+    NodeInfo,
+    NodeRegistration,
+    SandboxInfo,
+)
+
+__all__ = ["ControlPlane", "validate_create"]
+
+log = logging.getLogger("sandfleet.controlplane")
+
+#: A node is unhealthy after this many seconds without a heartbeat.
+NODE_TIMEOUT_S = 10.0
+#: How many nodes one create may try before giving up with ResourceExhausted.
+MAX_PLACEMENT_ATTEMPTS = 4
+
+
+def validate_create(req: CreateSandboxRequest) -> None:
+    """Raise InvalidArgument naming the field and the allowed range."""
+    if req.kind not in BUILT_KINDS:
+        raise InvalidArgument(
+            f"kind {req.kind!r} is not available in this release; available kinds:"
+            f" {', '.join(BUILT_KINDS)} (all kinds: {', '.join(KINDS)})"
+        )
+    if not 0.01 <= req.cpu <= 256:
+        raise InvalidArgument(f"cpu={req.cpu} is out of range: give 0.01 to 256 cores")
+    if not 16 <= req.memory_mb <= 1024 * 1024:
+        raise InvalidArgument(f"memory_mb={req.memory_mb} is out of range: give 16 to 1048576 MiB")
+    if not 8 <= req.pids_limit <= 65536:
+        raise InvalidArgument(f"pids_limit={req.pids_limit} is out of range: give 8 to 65536")
+    if req.ttl_s is not None and not 0 < req.ttl_s <= 30 * 86400:
+        raise InvalidArgument(f"ttl_s={req.ttl_s} is out of range: give 0 < ttl_s <= 2592000 s")
+    for key in req.labels:
+        if not key or len(key) > 63 or "=" in key:
+            raise InvalidArgument(f"label key {key!r} is not valid: 1-63 characters, no '='")
+
+
+@dataclass
+class _InFlight:
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory_mb: int = 0
+
+
+class ControlPlane:
+    """Stateless service over a :class:`Store`; ``images_dir`` is the shared image store."""
+
+    def __init__(self, store: Store, images_dir: Path, token: str | None) -> None:
+        self.store = store
+        self.images_dir = images_dir
+        self.nodes = NodeClients(token)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._rng = random.Random()
+        self._reaper: asyncio.Task[None] | None = None
+        #: Creates a node refused (capacity or unreachable) and placement retried elsewhere.
+        self.refusals = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.nodes.close()
+        self.store.close()
+
+    # ------------------------------------------------------------------ nodes
+
+    def register_node(self, reg: NodeRegistration) -> NodeInfo:
+        validate_node_id(reg.node_id)
+        old = self.store.get_node(reg.node_id)
+        info = NodeInfo(**reg.model_dump(), last_heartbeat=time.time())
+        if old is not None:
+            info = info.model_copy(
+                update={
+                    "sandboxes": old.sandboxes,
+                    "memory_mb_reserved": old.memory_mb_reserved,
+                    "cpu_reserved": old.cpu_reserved,
+                }
+            )
+        self.store.put_node(info)
+        log.info("node %s registered at %s", reg.node_id, reg.address)
+        return info
+
+    def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeInfo:
+        node = self.store.get_node(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered; register it first")
+        node = node.model_copy(update={**hb.model_dump(), "last_heartbeat": time.time()})
+        self.store.put_node(node)
+        return node
+
+    def list_nodes(self) -> list[NodeInfo]:
+        now = time.time()
+        return [
+            n.model_copy(update={"healthy": now - n.last_heartbeat < NODE_TIMEOUT_S})
+            for n in self.store.list_nodes()
+        ]
+
+    def _node_address(self, node_id: str) -> str:
+        node = self.store.get_node(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered (the sandbox's node is gone)")
+        return node.address
+
+    # ------------------------------------------------------------------ images
+
+    def list_images(self) -> list[ImageManifest]:
+        from sandfleet.images import ImageStore
+
+        return ImageStore(self.images_dir).list()
+
+    def _check_images(self, req: CreateSandboxRequest) -> None:
+        from sandfleet.images import ImageStore
+
+        images = ImageStore(self.images_dir)
+        images.resolve(req.image)
+        if req.workspace is not None:
+            images.resolve(req.workspace)
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def _loads(self) -> list[NodeLoad]:
+        loads = []
+        for n in self.list_nodes():
+            extra = self._in_flight.get(n.node_id, _InFlight())
+            loads.append(
+                NodeLoad(
+                    node_id=n.node_id,
+                    kinds=tuple(n.kinds),
+                    healthy=n.healthy,
+                    max_sandboxes=n.capacity.max_sandboxes,
+                    cpu=n.capacity.cpu,
+                    memory_mb=n.capacity.memory_mb,
+                    sandboxes=n.sandboxes + extra.sandboxes,
+                    cpu_reserved=n.cpu_reserved + extra.cpu,
+                    memory_mb_reserved=n.memory_mb_reserved + extra.memory_mb,
+                )
+            )
+        return loads
+
+    async def create(self, req: CreateSandboxRequest) -> SandboxInfo:
+        """Place and create a sandbox; retries other nodes when one refuses for capacity."""
+        validate_create(req)
+        self._check_images(req)
+        refused: set[str] = set()
+        last_error: SandfleetError | None = None
+        for _ in range(MAX_PLACEMENT_ATTEMPTS):
+            decision = place(
+                self._loads(),
+                kind=req.kind,
+                cpu=req.cpu,
+                memory_mb=req.memory_mb,
+                exclude=frozenset(refused),
+                rng=self._rng,
+            )
+            if isinstance(decision, Infeasible):
+                raise InvalidArgument(decision.reason)
+            if not isinstance(decision, Placed):
+                raise ResourceExhausted(f"{decision.reason}; retry later or ask for less")
+            try:
+                return await self._create_on(decision.node_id, req)
+            except (ResourceExhausted, Unavailable) as exc:
+                refused.add(decision.node_id)
+                self.refusals += 1
+                last_error = exc
+                log.info("node %s refused a create: %s", decision.node_id, exc)
+        raise ResourceExhausted(
+            f"{len(refused)} node(s) refused the sandbox ({last_error}); retry later"
+        )
+
+    async def _create_on(self, node_id: str, req: CreateSandboxRequest) -> SandboxInfo:
+        node = self.store.get_node(node_id)
+        assert node is not None
+        sandbox_id = new_sandbox_id(node_id)
+        now = time.time()
+        info = SandboxInfo(
+            id=sandbox_id,
+            kind=req.kind,
+            node_id=node_id,
+            state="creating",
+            image=req.image,
+            workspace=req.workspace,
+            cpu=req.cpu,
+            memory_mb=req.memory_mb,
+            pids_limit=req.pids_limit,
+            labels=req.labels,
+            created_at=now,
+            expires_at=now + req.ttl_s if req.ttl_s is not None else None,
+        )
+        self.store.put_sandbox(info)
+        flight = self._in_flight.setdefault(node_id, _InFlight())
+        flight.sandboxes += 1
+        flight.cpu += req.cpu
+        flight.memory_mb += req.memory_mb
+        try:
+            body = NodeCreateRequest(id=sandbox_id, **req.model_dump())
+            resp = await self.nodes.call(
+                node.address, "POST", "/v1/sandboxes", json=body.model_dump(mode="json"),
+                timeout_s=120.0,
+            )
+            load = NodeHeartbeat.model_validate(resp.json()["load"])
+            self.store.put_node(node.model_copy(update=load.model_dump()))
+        except BaseException:
+            self.store.delete_sandbox(sandbox_id)
+            raise
+        finally:
+            flight.sandboxes -= 1
+            flight.cpu -= req.cpu
+            flight.memory_mb -= req.memory_mb
+        info = info.model_copy(update={"state": "running"})
+        self.store.put_sandbox(info)
+        return info
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        node_of(sandbox_id)
+        info = self.store.get_sandbox(sandbox_id)
+        if info is None or info.state == "destroyed":
+            raise NotFound(f"sandbox {sandbox_id} does not exist (destroyed or never created)")
+        return info
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return self.store.list_sandboxes(labels=labels)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        info = self.get(sandbox_id)
+        self.store.set_sandbox_state(sandbox_id, "destroying")
+        try:
+            await self.nodes.call(self._node_address(info.node_id), "DELETE", f"/v1/sandboxes/{sandbox_id}")
+        except NotFound:
+            pass  # the node no longer has it: the record is all that is left
+        self.store.set_sandbox_state(sandbox_id, "destroyed")
+
+    # ------------------------------------------------------------------ data plane
+
+    def route(self, sandbox_id: str) -> str:
+        """The node address serving ``sandbox_id``, from the id alone (no sandbox lookup)."""
+        return self._node_address(node_of(sandbox_id))
+
+    @contextlib.asynccontextmanager
+    async def forward(
+        self, sandbox_id: str, method: str, suffix: str, timeout_s: float | None = None, **kw: object
+    ) -> AsyncIterator[object]:
+        async with self.nodes.stream(
+            self.route(sandbox_id), method, f"/v1/sandboxes/{sandbox_id}{suffix}",
+            timeout_s=timeout_s, **kw,  # type: ignore[arg-type]
+        ) as resp:
+            yield resp
+
+    # ------------------------------------------------------------------ TTL
+
+    async def reap_once(self) -> int:
+        """Destroy sandboxes past their TTL; returns how many were reclaimed."""
+        reaped = 0
+        for info in self.store.expired_sandboxes(time.time()):
+            try:
+                await self.destroy(info.id)
+                reaped += 1
+                log.info("sandbox %s reclaimed: TTL expired", info.id)
+            except SandfleetError as exc:
+                log.warning("could not reclaim %s: %s", info.id, exc)
+        return reaped
+
+    async def _reap_forever(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("TTL reaper failed")

@@ -1,0 +1,304 @@
+"""Async client of the in-sandbox agent, used by the node agent.
+
+One connection per call (the agent forks a handler per connection), so calls
+are independent: a hung command never delays a ping or a file read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from sandfleet.guest import protocol as p
+from sandfleet.wire.errors import DeadlineExceeded, Internal, SandfleetError, Unavailable
+from sandfleet.wire.models import ExecRequest, ExecResult, FileEntry
+
+__all__ = ["AgentClient", "OutputCallback"]
+
+OutputCallback = Callable[[bytes], Awaitable[None] | None]
+"""Receives output chunks as they arrive; may be a plain or an async function."""
+
+
+class _Conn:
+    """One connection: frame I/O, with transport failures turned into Unavailable."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def send_data(self, data: bytes | AsyncIterable[bytes]) -> None:
+        """Data frames of at most CHUNK bytes, then the end frame."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            view = memoryview(data)
+            for off in range(0, len(view), p.CHUNK):
+                await self.send(p.frame(p.DATA, bytes(view[off : off + p.CHUNK])))
+        else:
+            async for piece in data:
+                view = memoryview(piece)
+                for off in range(0, len(view), p.CHUNK):
+                    await self.send(p.frame(p.DATA, bytes(view[off : off + p.CHUNK])))
+        await self.send(p.frame(p.END))
+
+    async def recv(self, idle_s: float | None = None) -> tuple[bytes, bytes]:
+        """The next frame as ``(type, payload)``; ``idle_s`` bounds the wait, seconds."""
+        async with asyncio.timeout(idle_s):
+            head = await self.reader.readexactly(5)
+            n = int.from_bytes(head[:4], "big")
+            if n > p.MAX_FRAME:
+                raise Internal(f"agent sent a {n} byte frame, over the {p.MAX_FRAME} limit")
+            return head[4:5], await self.reader.readexactly(n) if n else b""
+
+
+class AgentClient:
+    """Talks to one ``sandfleet-agent`` over its Unix socket.
+
+    ``margin_s`` (seconds) is added to an exec's own timeout to get the
+    client-side deadline, so a dead or hung agent never hangs the caller.
+    ``io_timeout_s`` (seconds) bounds every wait for the next frame of a
+    non-exec call. Paths are the agent's own view (inside the sandbox).
+
+    Every method raises :class:`Unavailable` when the socket is gone, nobody
+    listens, or the agent dies mid-call, and :class:`DeadlineExceeded` when the
+    agent stops answering.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        margin_s: float = 10.0,
+        io_timeout_s: float = 60.0,
+    ) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.margin_s = margin_s
+        self.io_timeout_s = io_timeout_s
+
+    def __repr__(self) -> str:
+        return f"AgentClient({self.socket_path!r})"
+
+    @asynccontextmanager
+    async def _connect(self, op: str) -> AsyncIterator[_Conn]:
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
+        except FileNotFoundError as exc:
+            raise Unavailable(
+                f"agent socket {self.socket_path} does not exist: the agent is not running "
+                "(or the sandbox is gone)"
+            ) from exc
+        except ConnectionRefusedError as exc:
+            raise Unavailable(
+                f"nothing listens on agent socket {self.socket_path}: the agent has exited"
+            ) from exc
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to agent socket {self.socket_path}: {exc}") from exc
+        try:
+            yield _Conn(reader, writer)
+        except SandfleetError:
+            raise
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"agent on {self.socket_path} stopped answering during {op} "
+                f"(nothing for {self.io_timeout_s} s); it may be hung"
+            ) from exc
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise Unavailable(
+                f"agent on {self.socket_path} closed the connection during {op} before "
+                f"answering: it died or was killed ({exc.__class__.__name__})"
+            ) from exc
+        finally:
+            writer.close()
+            with suppress(OSError):
+                await writer.wait_closed()
+
+    @staticmethod
+    def _unexpected(op: str, ftype: bytes) -> Internal:
+        return Internal(f"agent answered {op} with an unexpected frame {ftype!r}")
+
+    async def ping(self) -> dict[str, Any]:
+        """``{"version": str, "pid": int}`` of the agent (pid 1 when it is PID 1)."""
+        async with self._connect("ping") as conn:
+            await conn.send(p.frame(p.OP_PING))
+            ftype, payload = await conn.recv(self.io_timeout_s)
+            if ftype != p.OK:
+                raise self._unexpected("ping", ftype)
+            fields = p.decode_fields(payload)
+            return {"version": fields["v"].decode(), "pid": int(fields["p"])}
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Retry connecting and pinging until the agent answers.
+
+        Raises :class:`DeadlineExceeded` if it does not within ``timeout_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = 0.005
+        last: Exception | None = None
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                async with asyncio.timeout(min(remaining, 2.0)):
+                    await self.ping()
+                return
+            except (Unavailable, TimeoutError) as exc:
+                last = exc
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            delay = min(delay * 2, 0.1)
+        raise DeadlineExceeded(
+            f"agent on {self.socket_path} did not answer within {timeout_s} s "
+            f"(last error: {last or 'none'})"
+        )
+
+    async def exec(
+        self,
+        req: ExecRequest,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run ``req`` and return how it ended.
+
+        ``status`` is ``exited``, ``signaled`` or ``timeout`` (never ``oom``: the
+        node decides that from cgroup counters). Output chunks go to the
+        callbacks as they arrive; past ``max_output_bytes / 2`` the middle of a
+        stream is dropped and the tail arrives just before the command's end.
+
+        Raises :class:`InvalidArgument` for a missing or non-directory cwd and
+        unpassable arguments, :class:`DeadlineExceeded` if the agent gives no
+        answer within ``req.timeout_s + margin_s`` seconds, :class:`Unavailable`
+        if it cannot be reached or dies.
+        """
+        head = p.encode_exec(req)
+        limit = req.timeout_s + self.margin_s
+        out, err = bytearray(), bytearray()
+        async with self._connect("exec") as conn:
+            await conn.send(head)
+            # stdin goes concurrently: a command that never reads it must not
+            # stop us from reading its output
+            sender = asyncio.create_task(conn.send_data(req.stdin))
+            try:
+                async with asyncio.timeout(limit) as cm:
+                    while True:
+                        ftype, payload = await conn.recv()
+                        if ftype in (p.STDOUT, p.STDERR):
+                            (out if ftype == p.STDOUT else err).extend(payload)
+                            cb = on_stdout if ftype == p.STDOUT else on_stderr
+                            if cb is not None and inspect.isawaitable(res := cb(payload)):
+                                await res
+                        elif ftype == p.RESULT:
+                            return p.decode_result(payload, bytes(out), bytes(err))
+                        elif ftype == p.ERROR:
+                            raise p.decode_error(payload, in_exec=True)
+                        else:
+                            raise self._unexpected("exec", ftype)
+            except TimeoutError as exc:
+                if cm.expired():
+                    raise DeadlineExceeded(
+                        f"agent on {self.socket_path} gave no result within {limit:.1f} s "
+                        f"(command timeout {req.timeout_s} s + {self.margin_s} s margin); "
+                        "the agent may be hung"
+                    ) from exc
+                raise
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+
+    async def read_file(self, path: str) -> AsyncIterator[bytes]:
+        """Yield the contents of ``path`` in chunks of at most 256 KiB.
+
+        Raises :class:`NotFound`, :class:`PermissionDenied`, :class:`InvalidArgument`
+        (a directory) on the first iteration. Close early with ``contextlib.aclosing``.
+        """
+        async with self._connect("read_file") as conn:
+            await conn.send(p.frame(p.OP_READ, p.encode_fields([p.path_field(path)])))
+            while True:
+                ftype, payload = await conn.recv(self.io_timeout_s)
+                if ftype == p.DATA:
+                    yield payload
+                elif ftype == p.END:
+                    return
+                elif ftype == p.ERROR:
+                    raise p.decode_error(payload)
+                else:
+                    raise self._unexpected("read_file", ftype)
+
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+    ) -> FileEntry:
+        """Write ``data`` to ``path`` atomically (temp file + rename); ``mode`` in octal bits.
+
+        The parent directory must exist. Raises :class:`NotFound` (no parent),
+        :class:`InvalidArgument` (a directory), :class:`PermissionDenied`,
+        :class:`FailedPrecondition` (disk full).
+        """
+        fields = [p.path_field(path), (b"M", (mode & 0o7777).to_bytes(4, "big"))]
+        async with self._connect("write_file") as conn:
+            await conn.send(p.frame(p.OP_WRITE, p.encode_fields(fields)))
+            await conn.send_data(data)
+            return await self._entry(conn, "write_file", path)
+
+    async def list_dir(self, path: str) -> list[FileEntry]:
+        """Entries of directory ``path`` (without ``.`` and ``..``), not sorted."""
+        entries: list[FileEntry] = []
+        async with self._connect("list_dir") as conn:
+            await conn.send(p.frame(p.OP_LIST, p.encode_fields([p.path_field(path)])))
+            while True:
+                ftype, payload = await conn.recv(self.io_timeout_s)
+                if ftype == p.ENTRY:
+                    entries.append(p.decode_entry(payload, None, parent=path))
+                elif ftype == p.END:
+                    return entries
+                elif ftype == p.ERROR:
+                    raise p.decode_error(payload)
+                else:
+                    raise self._unexpected("list_dir", ftype)
+
+    async def stat(self, path: str) -> FileEntry:
+        """``lstat`` of ``path``: a symlink is reported as such, not followed."""
+        async with self._connect("stat") as conn:
+            await conn.send(p.frame(p.OP_STAT, p.encode_fields([p.path_field(path)])))
+            return await self._entry(conn, "stat", path)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, symlink or empty directory; a whole tree with ``recursive``.
+
+        Raises :class:`NotFound` if ``path`` does not exist and
+        :class:`InvalidArgument` for a non-empty directory without ``recursive``.
+        """
+        fields = [p.path_field(path), (b"R", bytes([int(recursive)]))]
+        async with self._connect("remove") as conn:
+            await conn.send(p.frame(p.OP_REMOVE, p.encode_fields(fields)))
+            ftype, payload = await conn.recv(self.io_timeout_s)
+            if ftype == p.ERROR:
+                raise p.decode_error(payload)
+            if ftype != p.OK:
+                raise self._unexpected("remove", ftype)
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> FileEntry:
+        """Create directory ``path`` (and missing parents with ``parents``).
+
+        With ``parents`` an existing directory is fine; without it, it is an
+        :class:`InvalidArgument`.
+        """
+        fields = [
+            p.path_field(path),
+            (b"R", bytes([int(parents)])),
+            (b"M", (mode & 0o7777).to_bytes(4, "big")),
+        ]
+        async with self._connect("mkdir") as conn:
+            await conn.send(p.frame(p.OP_MKDIR, p.encode_fields(fields)))
+            return await self._entry(conn, "mkdir", path)
+
+    async def _entry(self, conn: _Conn, op: str, path: str) -> FileEntry:
+        ftype, payload = await conn.recv(self.io_timeout_s)
+        if ftype == p.ENTRY:
+            return p.decode_entry(payload, path)
+        if ftype == p.ERROR:
+            raise p.decode_error(payload)
+        raise self._unexpected(op, ftype)
+

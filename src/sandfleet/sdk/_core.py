@@ -1,0 +1,468 @@
+"""The SDK's logic that does no network I/O, shared by the async and sync clients.
+
+Settings, the requests each method sends, how answers are read and how errors
+are translated all live here, so :mod:`sandfleet.sdk.client` (async) and
+:mod:`sandfleet.sdk.sync` only move bytes and both surfaces behave alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote, urlsplit
+
+import httpx
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sandfleet.wire.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    SandfleetError,
+    Unavailable,
+    error_from_wire,
+)
+from sandfleet.wire.models import (
+    BUILT_KINDS,
+    KINDS,
+    CreateSandboxRequest,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageManifest,
+    NodeInfo,
+    SandboxInfo,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+DEFAULT_TIMEOUT_S = 30.0
+ENV_URL = "SANDFLEET_URL"
+ENV_TOKEN = "SANDFLEET_TOKEN"
+#: Seconds an exec call waits beyond the command's own ``timeout_s``, for the
+#: two HTTP hops and the process-group kill to report a ``timeout`` result.
+EXEC_MARGIN_S = 10.0
+#: Size of the pieces streamed uploads and downloads are moved in, bytes.
+CHUNK_BYTES = 1 << 20
+#: ``max_connections=None``: no client-side queue; thousands of concurrent execs
+#: each hold a connection, and the control plane's admission is the limit.
+POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+
+_JSON = {"content-type": "application/json"}
+_OCTETS = {"content-type": "application/octet-stream"}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Where the control plane is and how long to wait for it.
+
+    ``url`` has no trailing slash; ``timeout_s`` is the default per-request
+    timeout in seconds.
+    """
+
+    url: str
+    token: str | None
+    timeout_s: float
+
+    @classmethod
+    def resolve(
+        cls,
+        url: str | None,
+        token: str | None,
+        timeout_s: float | None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Settings:
+        """THE one place settings are resolved. Precedence, first found wins:
+
+        1. a per-call argument (only timeouts have one: an exec call waits for
+           its command's ``timeout_s`` + :data:`EXEC_MARGIN_S`, see
+           :meth:`exec_timeout_s`);
+        2. the argument given to ``AsyncClient(...)`` / ``Client(...)``;
+        3. the environment: ``SANDFLEET_URL``, ``SANDFLEET_TOKEN`` (empty = unset);
+        4. the default: ``http://127.0.0.1:7070``, no token, 30 s per request.
+
+        Raises :class:`InvalidArgument` for a URL that is not ``http(s)://host[:port]``
+        or a timeout that is not positive, naming where the bad value came from.
+        """
+        env = os.environ if environ is None else environ
+        where = "url argument"
+        if url is None:
+            url, where = env.get(ENV_URL) or None, f"${ENV_URL}"
+        if url is None:
+            url, where = DEFAULT_URL, "default url"
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidArgument(
+                f"{where} {url!r} is not a control plane address;"
+                f" give it as http://host:port, e.g. {DEFAULT_URL}"
+            )
+        if token is None:
+            token = env.get(ENV_TOKEN) or None
+        if timeout_s is None:
+            timeout_s = DEFAULT_TIMEOUT_S
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        return cls(url=url.rstrip("/"), token=token, timeout_s=float(timeout_s))
+
+    def exec_timeout_s(self, cmd_timeout_s: float) -> float:
+        """Seconds an exec request may take: the command's timeout plus a margin."""
+        return cmd_timeout_s + EXEC_MARGIN_S
+
+    def headers(self) -> dict[str, str]:
+        """Headers every request carries (the bearer token, when there is one)."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Request(Generic[T]):
+    """One HTTP call, described without doing it.
+
+    ``parse`` turns the body of a 2xx answer into the method's result.
+    ``timeout_s`` None means the client's timeout.
+    """
+
+    method: str
+    path: str
+    parse: Callable[[bytes], T]
+    params: tuple[tuple[str, str], ...] | None = None
+    body: bytes | None = None
+    headers: Mapping[str, str] | None = None
+    timeout_s: float | None = None
+
+
+class _Answer(BaseModel):
+    # Envelopes of list answers; unknown keys are ignored so the server may add some.
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Sandboxes(_Answer):
+    sandboxes: list[SandboxInfo]
+
+
+class _Entries(_Answer):
+    entries: list[FileEntry]
+
+
+class _Images(_Answer):
+    images: list[ImageManifest]
+
+
+class _Nodes(_Answer):
+    nodes: list[NodeInfo]
+
+
+def _model(cls: type[M]) -> Callable[[bytes], M]:
+    return cls.model_validate_json
+
+
+def _none(_: bytes) -> None:
+    return None
+
+
+def _raw(content: bytes) -> bytes:
+    return content
+
+
+def _sandboxes(content: bytes) -> list[SandboxInfo]:
+    return _Sandboxes.model_validate_json(content).sandboxes
+
+
+def _entries(content: bytes) -> list[FileEntry]:
+    return _Entries.model_validate_json(content).entries
+
+
+def _images(content: bytes) -> list[ImageManifest]:
+    return _Images.model_validate_json(content).images
+
+
+def _nodes(content: bytes) -> list[NodeInfo]:
+    return _Nodes.model_validate_json(content).nodes
+
+
+def _build(cls: type[M], **fields: Any) -> M:
+    """Build a request model; a value pydantic rejects is the caller's InvalidArgument."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidArgument(f"invalid {cls.__name__}: {problems}") from None
+
+
+def check_kind(kind: str) -> None:
+    """Reject, before any request, a kind this release cannot run."""
+    if kind in BUILT_KINDS:
+        return
+    available = ", ".join(repr(k) for k in BUILT_KINDS)
+    if kind in KINDS:
+        raise InvalidArgument(
+            f"kind {kind!r} is not built in this release; kinds available: {available}"
+        )
+    raise InvalidArgument(
+        f"unknown kind {kind!r}; kinds available: {available}"
+        f" (planned: {', '.join(repr(k) for k in KINDS if k not in BUILT_KINDS)})"
+    )
+
+
+def _sandbox_path(sandbox_id: str, suffix: str = "") -> str:
+    if not isinstance(sandbox_id, str) or not sandbox_id:
+        raise InvalidArgument(f"sandbox_id must be a non-empty string, got {sandbox_id!r}")
+    return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"
+
+
+def _remote_path(path: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise InvalidArgument(f"path must be a non-empty string, got {path!r}")
+    return path
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def create_request(
+    *,
+    kind: str,
+    image: str,
+    workspace: str | None,
+    cpu: float,
+    memory_mb: int,
+    pids_limit: int,
+    ttl_s: float | None,
+    labels: Mapping[str, str] | None,
+    env: Mapping[str, str] | None,
+) -> Request[SandboxInfo]:
+    check_kind(kind)
+    body = _build(
+        CreateSandboxRequest,
+        kind=kind,
+        image=image,
+        workspace=workspace,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        pids_limit=pids_limit,
+        ttl_s=ttl_s,
+        labels=dict(labels or {}),
+        env=dict(env or {}),
+    )
+    return Request(
+        "POST", "/v1/sandboxes", _model(SandboxInfo), body=body.model_dump_json().encode(),
+        headers=_JSON,
+    )
+
+
+def get_request(sandbox_id: str) -> Request[SandboxInfo]:
+    return Request("GET", _sandbox_path(sandbox_id), _model(SandboxInfo))
+
+
+def list_request(labels: Mapping[str, str] | None) -> Request[list[SandboxInfo]]:
+    params = []
+    for key, value in (labels or {}).items():
+        if not key or "=" in key:
+            raise InvalidArgument(f"label key {key!r} must be non-empty and contain no '='")
+        params.append(("label", f"{key}={value}"))
+    return Request("GET", "/v1/sandboxes", _sandboxes, params=tuple(params) or None)
+
+
+def destroy_request(sandbox_id: str) -> Request[None]:
+    return Request("DELETE", _sandbox_path(sandbox_id), _none)
+
+
+def exec_body(
+    cmd: str | Sequence[str],
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    stdin: bytes | str | None,
+    timeout_s: float,
+) -> bytes:
+    """The JSON body of an exec call (validated, so a bad call fails before any request)."""
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    body = _build(
+        ExecRequest,
+        cmd=cmd if isinstance(cmd, str) else list(cmd),
+        env=dict(env or {}),
+        cwd=cwd,
+        stdin=stdin or b"",
+        timeout_s=timeout_s,
+    )
+    return body.model_dump_json().encode()
+
+
+def exec_request(
+    settings: Settings, sandbox_id: str, body: bytes, timeout_s: float
+) -> Request[ExecResult]:
+    return Request(
+        "POST", _sandbox_path(sandbox_id, "/exec"), _model(ExecResult), body=body,
+        headers=_JSON, timeout_s=settings.exec_timeout_s(timeout_s),
+    )
+
+
+def read_request(sandbox_id: str, path: str) -> Request[bytes]:
+    return Request(
+        "GET", _sandbox_path(sandbox_id, "/files/content"), _raw,
+        params=(("path", _remote_path(path)),),
+    )
+
+
+def write_request(
+    sandbox_id: str, path: str, mode: int, data: bytes | str | None = None
+) -> Request[FileEntry]:
+    """A file write; ``data`` None when the I/O layer streams the body itself."""
+    if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidArgument(f"mode must be an int in 0..0o7777 (e.g. 0o644), got {mode!r}")
+    if isinstance(data, str):
+        data = data.encode()
+    return Request(
+        "PUT", _sandbox_path(sandbox_id, "/files/content"), _model(FileEntry),
+        params=(("path", _remote_path(path)), ("mode", str(mode))), body=data, headers=_OCTETS,
+    )
+
+
+def list_dir_request(sandbox_id: str, path: str) -> Request[list[FileEntry]]:
+    return Request(
+        "GET", _sandbox_path(sandbox_id, "/files/list"), _entries,
+        params=(("path", _remote_path(path)),),
+    )
+
+
+def stat_request(sandbox_id: str, path: str) -> Request[FileEntry]:
+    return Request(
+        "GET", _sandbox_path(sandbox_id, "/files/stat"), _model(FileEntry),
+        params=(("path", _remote_path(path)),),
+    )
+
+
+def remove_request(sandbox_id: str, path: str, recursive: bool) -> Request[None]:
+    return Request(
+        "DELETE", _sandbox_path(sandbox_id, "/files"), _none,
+        params=(("path", _remote_path(path)), ("recursive", _bool(recursive))),
+    )
+
+
+def mkdir_request(sandbox_id: str, path: str, parents: bool) -> Request[FileEntry]:
+    return Request(
+        "POST", _sandbox_path(sandbox_id, "/files/mkdir"), _model(FileEntry),
+        params=(("path", _remote_path(path)), ("parents", _bool(parents))),
+    )
+
+
+def images_request() -> Request[list[ImageManifest]]:
+    return Request("GET", "/v1/images", _images)
+
+
+def nodes_request() -> Request[list[NodeInfo]]:
+    return Request("GET", "/v1/nodes", _nodes)
+
+
+# --------------------------------------------------------------------------- answers and errors
+
+
+def finish(request: Request[T], status: int, content: bytes) -> T:
+    """The result of ``request`` from its answer, or the error the server sent."""
+    check_status(status, content)
+    try:
+        return request.parse(content)
+    except (ValidationError, ValueError) as exc:
+        raise Internal(
+            f"unexpected answer to {request.method} {request.path}"
+            f" (HTTP {status}): {str(exc)[:500]}"
+        ) from None
+
+
+def check_status(status: int, content: bytes) -> None:
+    """Raise the :class:`SandfleetError` a 4xx/5xx answer carries."""
+    if status < 400:
+        return
+    body: Any
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = content.decode("utf-8", errors="replace")
+    raise error_from_wire(body, status)
+
+
+@contextmanager
+def translate_errors(settings: Settings, request: Request[Any]) -> Iterator[None]:
+    """The SDK's one boundary: every httpx exception becomes a :class:`SandfleetError`.
+
+    Connect failures → :class:`Unavailable` (naming the URL and how to fix it);
+    timeouts → :class:`DeadlineExceeded`; a connection broken mid-call →
+    :class:`Unavailable`; a malformed URL → :class:`InvalidArgument`; anything
+    else from httpx → :class:`Internal`. Works around ``await`` too.
+    """
+    what = f"{request.method} {request.path}"
+    try:
+        yield
+    except SandfleetError:
+        raise
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise Unavailable(
+            f"cannot reach the sandfleet control plane at {settings.url}"
+            f" ({exc or type(exc).__name__});"
+            f" start one with `sandfleet up` or set {ENV_URL} to its address"
+        ) from exc
+    except httpx.TimeoutException as exc:
+        waited = request.timeout_s if request.timeout_s is not None else settings.timeout_s
+        raise DeadlineExceeded(
+            f"{what} to {settings.url} got no answer within {waited:g} s"
+            f" ({type(exc).__name__}); pass a larger timeout_s or retry"
+        ) from exc
+    except httpx.TransportError as exc:
+        if isinstance(exc, httpx.UnsupportedProtocol):
+            raise InvalidArgument(f"bad control plane URL {settings.url!r}: {exc}") from exc
+        raise Unavailable(
+            f"connection to {settings.url} failed during {what}"
+            f" ({type(exc).__name__}: {exc}); retry"
+        ) from exc
+    except httpx.InvalidURL as exc:
+        raise InvalidArgument(f"bad URL for {what} at {settings.url!r}: {exc}") from exc
+    except (httpx.HTTPError, httpx.StreamError) as exc:
+        raise Internal(f"{what} to {settings.url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- local files
+
+
+class PartFile:
+    """A local file written under a temporary name, renamed into place on success.
+
+    A download that fails half-way leaves nothing at ``path`` (and no
+    temporary file). ``size`` counts the bytes written.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        head, name = os.path.split(self.path)
+        self._tmp = os.path.join(head, f".{name}.{secrets.token_hex(4)}.part")
+        self.size = 0
+
+    def __enter__(self) -> PartFile:
+        self._file = open(self._tmp, "xb")
+        return self
+
+    def write(self, chunk: bytes) -> None:
+        self._file.write(chunk)
+        self.size += len(chunk)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._file.close()
+        if exc_type is None:
+            os.replace(self._tmp, self.path)
+        else:
+            os.unlink(self._tmp)

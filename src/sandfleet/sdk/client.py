@@ -1,0 +1,402 @@
+"""The async SDK: :class:`AsyncClient` and its :class:`AsyncSandbox` handles.
+
+Only I/O happens here; what is sent and how answers are read lives in
+:mod:`sandfleet.sdk._core`, shared with the sync :mod:`sandfleet.sdk.sync`.
+
+Example::
+
+    async with AsyncClient() as client:
+        async with await client.create(image="python:3.11") as sb:
+            result = await sb.exec(["python", "-c", "print(1)"])
+            assert result.ok and result.stdout == b"1\\n"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+from collections.abc import Coroutine, Mapping, Sequence
+from types import TracebackType
+from typing import IO, Any, TypeVar
+
+import httpx
+
+from sandfleet.sdk import _core
+from sandfleet.wire.errors import FailedPrecondition, NotFound
+from sandfleet.wire.models import ExecResult, FileEntry, ImageManifest, NodeInfo, SandboxInfo
+
+__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox"]
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """A connection to a sandfleet control plane, for asyncio code.
+
+    ``url`` is the control plane's base URL, ``token`` its bearer token and
+    ``timeout_s`` the seconds each request may take (exec calls instead wait
+    for the command's own ``timeout_s`` plus a margin). Unset values come from
+    ``SANDFLEET_URL`` / ``SANDFLEET_TOKEN``, then the defaults
+    (``http://127.0.0.1:7070``, no token, 30 s); see
+    :meth:`sandfleet.sdk._core.Settings.resolve` for the full precedence.
+
+    One client holds one connection pool: create it once and share it across
+    tasks; close it with :meth:`close` or ``async with``. Every failure is a
+    :class:`sandfleet.wire.errors.SandfleetError`: the server's errors keep
+    their class (``NotFound``, ``ResourceExhausted``, ...), an unreachable
+    server is ``Unavailable``, a request that takes too long ``DeadlineExceeded``.
+
+    Raises ``InvalidArgument`` for a malformed URL or a non-positive timeout.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, token: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        self._settings = _core.Settings.resolve(url, token, timeout_s)
+        self._http = httpx.AsyncClient(
+            base_url=self._settings.url,
+            headers=self._settings.headers(),
+            timeout=self._settings.timeout_s,
+            limits=_core.POOL_LIMITS,
+        )
+        self._closed = False
+        self._background: set[asyncio.Future[Any]] = set()
+
+    @property
+    def url(self) -> str:
+        """The control plane's base URL this client talks to."""
+        return self._settings.url
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(url={self.url!r})"
+
+    # ----------------------------------------------------------------- transport
+
+    async def _send(self, request: _core.Request[T], content: Any = None) -> T:
+        if self._closed:
+            raise FailedPrecondition("this AsyncClient is closed; create a new one")
+        timeout: Any = (
+            httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
+        )
+        with _core.translate_errors(self._settings, request):
+            response = await self._http.request(
+                request.method,
+                request.path,
+                params=request.params,
+                content=request.body if content is None else content,
+                headers=request.headers,
+                timeout=timeout,
+            )
+        return _core.finish(request, response.status_code, response.content)
+
+    def _keep(self, future: asyncio.Future[Any]) -> None:
+        """Track a cleanup task that must finish before :meth:`close` returns."""
+        self._background.add(future)
+        future.add_done_callback(self._background_done)
+
+    def _background_done(self, future: asyncio.Future[Any]) -> None:
+        self._background.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: a failed cleanup is left to the sandbox's TTL
+
+    async def _destroy_shielded(self, sandbox: AsyncSandbox) -> None:
+        """Destroy ``sandbox`` even if the calling task is cancelled meanwhile."""
+        cleanup = asyncio.ensure_future(sandbox.destroy())
+        self._keep(cleanup)
+        await asyncio.shield(cleanup)
+
+    # ----------------------------------------------------------------- sandboxes
+
+    async def create(
+        self,
+        *,
+        kind: str = "container",
+        image: str,
+        workspace: str | None = None,
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids_limit: int = 256,
+        ttl_s: float | None = 3600.0,
+        labels: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox and return its handle once it is running.
+
+        ``kind`` is the isolation level (the only switch between kinds);
+        ``image`` and ``workspace`` are ``name:tag`` references; ``cpu`` in
+        cores, ``memory_mb`` in MiB, ``pids_limit`` processes, ``ttl_s`` the
+        hard lifetime in seconds (None: no TTL); ``labels`` tag it for
+        :meth:`list`; ``env`` is given to every exec.
+
+        Raises ``InvalidArgument`` (a kind not built in this release, checked
+        before any request; bad limits), ``NotFound`` (no such image),
+        ``ResourceExhausted`` (no node has room; retry later), ``Unavailable``.
+        """
+        return await self._create(
+            _core.create_request(
+                kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
+                pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=env,
+            )
+        )
+
+    async def _create(self, request: _core.Request[SandboxInfo]) -> AsyncSandbox:
+        return AsyncSandbox(self, await self._send(request))
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle on an existing sandbox. Raises ``NotFound`` if it does not exist."""
+        return AsyncSandbox(self, await self._send(_core.get_request(sandbox_id)))
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
+        """The sandboxes carrying every one of ``labels`` (all sandboxes when None)."""
+        return await self._send(_core.list_request(labels))
+
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        kind: str = "container",
+        image: str,
+        workspace: str | None = None,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float = 60.0,
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids_limit: int = 256,
+        ttl_s: float | None = 3600.0,
+        labels: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run one command in a fresh sandbox: create, exec, destroy.
+
+        Parameters are those of :meth:`create` and :meth:`AsyncSandbox.exec`
+        (``env`` goes to the command). The sandbox is always destroyed — on
+        success, on error and on cancellation (a sandbox whose creation was
+        cancelled mid-flight is destroyed once it exists; :meth:`close` waits
+        for that). All arguments are checked before any request.
+
+        Raises what :meth:`create`, :meth:`AsyncSandbox.exec` and
+        :meth:`AsyncSandbox.destroy` raise; a failed destroy is raised too
+        (the sandbox's TTL reclaims it).
+        """
+        create = _core.create_request(
+            kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
+            pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=None,
+        )
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        creating = asyncio.ensure_future(self._create(create))
+        try:
+            sandbox = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            creating.add_done_callback(self._destroy_when_created)
+            self._keep(creating)
+            raise
+        try:
+            return await sandbox._exec(body, timeout_s)
+        finally:
+            await self._destroy_shielded(sandbox)
+
+    def _destroy_when_created(self, creating: asyncio.Future[AsyncSandbox]) -> None:
+        if creating.cancelled() or creating.exception() is not None:
+            return
+        self._keep(asyncio.ensure_future(creating.result().destroy()))
+
+    async def images(self) -> builtins.list[ImageManifest]:
+        """The images the cluster can start sandboxes from."""
+        return await self._send(_core.images_request())
+
+    async def nodes(self) -> builtins.list[NodeInfo]:
+        """The nodes registered with the control plane, with their load."""
+        return await self._send(_core.nodes_request())
+
+    async def close(self) -> None:
+        """Finish pending cleanups, then close the connection pool. Idempotent."""
+        while pending := [f for f in self._background if not f.done()]:
+            await asyncio.wait(pending)
+        if not self._closed:
+            self._closed = True
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class AsyncSandbox:
+    """A handle on one sandbox; made by :meth:`AsyncClient.create` or :meth:`AsyncClient.get`.
+
+    State lives in the sandbox, so handles are cheap and several may point at
+    the same sandbox. ``async with sandbox:`` destroys it on exit.
+    """
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._client = client
+        self._info = info
+        self._destroyed = False
+        self.files = AsyncFiles(self)
+        """File operations inside the sandbox."""
+
+    @property
+    def id(self) -> str:
+        """The sandbox's id."""
+        return self._info.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """What the control plane last said about this sandbox (see :meth:`refresh`)."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, kind={self._info.kind!r}, state={self._info.state!r})"
+
+    def _sandbox_id(self) -> str:
+        if self._destroyed:
+            raise NotFound(f"sandbox {self.id} was destroyed through this handle; create a new one")
+        return self._info.id
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+    ) -> ExecResult:
+        """Run a command and wait for it to end.
+
+        ``cmd`` is an argv list (run directly) or a string (run by ``/bin/sh -c``);
+        ``env`` is added to the sandbox's environment; ``cwd`` defaults to the
+        image's workdir; ``stdin`` (str is UTF-8 encoded) is empty unless given;
+        ``timeout_s`` (seconds, > 0) bounds the command, whose process group is
+        then killed and the result has ``status == "timeout"``. A non-zero exit is a
+        result, not an error: check ``result.ok``.
+
+        Raises ``InvalidArgument`` (bad arguments, before any request),
+        ``NotFound`` (the sandbox is gone), ``Unavailable``, ``DeadlineExceeded``
+        (no answer within ``timeout_s`` + a margin).
+        """
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        return await self._exec(body, timeout_s)
+
+    async def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
+        client = self._client
+        return await client._send(
+            _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
+        )
+
+    async def refresh(self) -> SandboxInfo:
+        """Fetch the sandbox's current record, store it in :attr:`info` and return it."""
+        self._info = await self._client._send(_core.get_request(self._sandbox_id()))
+        return self._info
+
+    async def destroy(self) -> None:
+        """Destroy the sandbox. Idempotent: later calls, and a sandbox already gone, are no-ops."""
+        if self._destroyed:
+            return
+        with contextlib.suppress(NotFound):
+            await self._client._send(_core.destroy_request(self.id))
+        self._destroyed = True
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._client._destroy_shielded(self)
+
+
+class AsyncFiles:
+    """Files inside one sandbox (``sandbox.files``). Paths are absolute paths in the sandbox.
+
+    Every method raises ``NotFound`` (no such path or sandbox),
+    ``PermissionDenied`` (not writable), ``InvalidArgument`` and the transport
+    errors ``Unavailable`` / ``DeadlineExceeded``.
+    """
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    def _send(self, request: _core.Request[T], content: Any = None) -> Coroutine[Any, Any, T]:
+        return self._sandbox._client._send(request, content)
+
+    async def read(self, path: str) -> bytes:
+        """The whole content of a file. For large files prefer :meth:`download`."""
+        return await self._send(_core.read_request(self._sandbox._sandbox_id(), path))
+
+    async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
+        """Create or replace a file with ``data`` (str is UTF-8 encoded); ``mode`` as chmod."""
+        return await self._send(_core.write_request(self._sandbox._sandbox_id(), path, mode, data))
+
+    async def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        """The entries of a directory."""
+        return await self._send(_core.list_dir_request(self._sandbox._sandbox_id(), path))
+
+    async def stat(self, path: str) -> FileEntry:
+        """One path's type, size (bytes), mode and mtime (Unix seconds)."""
+        return await self._send(_core.stat_request(self._sandbox._sandbox_id(), path))
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, or a directory (non-empty ones only with ``recursive=True``)."""
+        await self._send(_core.remove_request(self._sandbox._sandbox_id(), path, recursive))
+
+    async def mkdir(self, path: str, parents: bool = True) -> FileEntry:
+        """Create a directory (and missing parents unless ``parents=False``)."""
+        return await self._send(_core.mkdir_request(self._sandbox._sandbox_id(), path, parents))
+
+    async def upload(
+        self, local_path: str | os.PathLike[str], remote_path: str, mode: int = 0o644
+    ) -> FileEntry:
+        """Copy a local file into the sandbox, streamed in 1 MiB chunks.
+
+        A local file that cannot be read raises the usual ``OSError``.
+        """
+        request = _core.write_request(self._sandbox._sandbox_id(), remote_path, mode)
+        with open(local_path, "rb") as file:
+            return await self._send(request, _AsyncChunks(file))
+
+    async def download(self, remote_path: str, local_path: str | os.PathLike[str]) -> int:
+        """Copy a file out of the sandbox, streamed in chunks; returns the bytes written.
+
+        ``local_path`` is replaced only once the whole file has arrived; a failed
+        download leaves nothing behind.
+        """
+        request = _core.read_request(self._sandbox._sandbox_id(), remote_path)
+        client = self._sandbox._client
+        if client._closed:
+            raise FailedPrecondition("this AsyncClient is closed; create a new one")
+        with _core.translate_errors(client._settings, request):
+            async with client._http.stream(
+                request.method, request.path, params=request.params
+            ) as response:
+                if response.status_code >= 400:
+                    _core.check_status(response.status_code, await response.aread())
+                with _core.PartFile(local_path) as out:
+                    async for chunk in response.aiter_bytes(_core.CHUNK_BYTES):
+                        await asyncio.to_thread(out.write, chunk)
+        return out.size
+
+
+class _AsyncChunks:
+    """An open local file as an async iterator of chunks, read off the event loop."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+
+    def __aiter__(self) -> _AsyncChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await asyncio.to_thread(self._file.read, _core.CHUNK_BYTES)
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk

@@ -1,0 +1,313 @@
+"""The blocking SDK: :class:`Client` and its :class:`Sandbox` handles.
+
+Same surface as :mod:`sandfleet.sdk.client` — same names, parameters and
+defaults, methods not async — over an ``httpx.Client``: no event loop or
+thread behind it. Request building, answer parsing and error translation are
+shared with the async client through :mod:`sandfleet.sdk._core`. Method
+docstrings are the async ones (copied at import).
+
+Example::
+
+    with Client() as client, client.create(image="python:3.11") as sb:
+        print(sb.exec("echo hi").stdout_text)
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+
+from sandfleet.sdk import _core
+from sandfleet.sdk.client import AsyncClient, AsyncFiles, AsyncSandbox
+from sandfleet.wire.errors import FailedPrecondition, NotFound
+from sandfleet.wire.models import ExecResult, FileEntry, ImageManifest, NodeInfo, SandboxInfo
+
+__all__ = ["Client", "Files", "Sandbox"]
+
+T = TypeVar("T")
+
+
+class Client:
+    """A connection to a sandfleet control plane, for blocking code.
+
+    ``url``, ``token`` and ``timeout_s`` (seconds per request) as for
+    :class:`AsyncClient`: unset values come from ``SANDFLEET_URL`` /
+    ``SANDFLEET_TOKEN``, then ``http://127.0.0.1:7070``, no token, 30 s.
+    One client holds one connection pool and may be shared between threads;
+    close it with :meth:`close` or ``with``. Every failure is a
+    :class:`sandfleet.wire.errors.SandfleetError`.
+
+    Raises ``InvalidArgument`` for a malformed URL or a non-positive timeout.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, token: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        self._settings = _core.Settings.resolve(url, token, timeout_s)
+        self._http = httpx.Client(
+            base_url=self._settings.url,
+            headers=self._settings.headers(),
+            timeout=self._settings.timeout_s,
+            limits=_core.POOL_LIMITS,
+        )
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The control plane's base URL this client talks to."""
+        return self._settings.url
+
+    def __repr__(self) -> str:
+        return f"Client(url={self.url!r})"
+
+    def _send(self, request: _core.Request[T], content: Any = None) -> T:
+        if self._closed:
+            raise FailedPrecondition("this Client is closed; create a new one")
+        timeout: Any = (
+            httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
+        )
+        with _core.translate_errors(self._settings, request):
+            response = self._http.request(
+                request.method,
+                request.path,
+                params=request.params,
+                content=request.body if content is None else content,
+                headers=request.headers,
+                timeout=timeout,
+            )
+        return _core.finish(request, response.status_code, response.content)
+
+    def create(
+        self,
+        *,
+        kind: str = "container",
+        image: str,
+        workspace: str | None = None,
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids_limit: int = 256,
+        ttl_s: float | None = 3600.0,
+        labels: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Sandbox:
+        return Sandbox(
+            self,
+            self._send(
+                _core.create_request(
+                    kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
+                    pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=env,
+                )
+            ),
+        )
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self, self._send(_core.get_request(sandbox_id)))
+
+    def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
+        return self._send(_core.list_request(labels))
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        kind: str = "container",
+        image: str,
+        workspace: str | None = None,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float = 60.0,
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids_limit: int = 256,
+        ttl_s: float | None = 3600.0,
+        labels: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run one command in a fresh sandbox: create, exec, destroy.
+
+        Parameters are those of :meth:`create` and :meth:`Sandbox.exec` (``env``
+        goes to the command). Once created, the sandbox is always destroyed —
+        on success, on error and on ``KeyboardInterrupt``. All arguments are
+        checked before any request.
+
+        Raises what :meth:`create`, :meth:`Sandbox.exec` and
+        :meth:`Sandbox.destroy` raise; a failed destroy is raised too (the
+        sandbox's TTL reclaims it).
+        """
+        create = _core.create_request(
+            kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
+            pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=None,
+        )
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        sandbox = Sandbox(self, self._send(create))
+        try:
+            return sandbox._exec(body, timeout_s)
+        finally:
+            sandbox.destroy()
+
+    def images(self) -> builtins.list[ImageManifest]:
+        return self._send(_core.images_request())
+
+    def nodes(self) -> builtins.list[NodeInfo]:
+        return self._send(_core.nodes_request())
+
+    def close(self) -> None:
+        """Close the connection pool. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Sandbox:
+    """A handle on one sandbox; made by :meth:`Client.create` or :meth:`Client.get`.
+
+    ``with sandbox:`` destroys it on exit.
+    """
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._client = client
+        self._info = info
+        self._destroyed = False
+        self.files = Files(self)
+        """File operations inside the sandbox."""
+
+    @property
+    def id(self) -> str:
+        """The sandbox's id."""
+        return self._info.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """What the control plane last said about this sandbox (see :meth:`refresh`)."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, kind={self._info.kind!r}, state={self._info.state!r})"
+
+    def _sandbox_id(self) -> str:
+        if self._destroyed:
+            raise NotFound(f"sandbox {self.id} was destroyed through this handle; create a new one")
+        return self._info.id
+
+    def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+    ) -> ExecResult:
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        return self._exec(body, timeout_s)
+
+    def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
+        client = self._client
+        return client._send(
+            _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
+        )
+
+    def refresh(self) -> SandboxInfo:
+        self._info = self._client._send(_core.get_request(self._sandbox_id()))
+        return self._info
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        with contextlib.suppress(NotFound):
+            self._client._send(_core.destroy_request(self.id))
+        self._destroyed = True
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+
+class Files:
+    """Files inside one sandbox (``sandbox.files``). Paths are absolute paths in the sandbox.
+
+    Every method raises ``NotFound`` (no such path or sandbox),
+    ``PermissionDenied`` (not writable), ``InvalidArgument`` and the transport
+    errors ``Unavailable`` / ``DeadlineExceeded``.
+    """
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def _send(self, request: _core.Request[T], content: Any = None) -> T:
+        return self._sandbox._client._send(request, content)
+
+    def read(self, path: str) -> bytes:
+        return self._send(_core.read_request(self._sandbox._sandbox_id(), path))
+
+    def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
+        return self._send(_core.write_request(self._sandbox._sandbox_id(), path, mode, data))
+
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        return self._send(_core.list_dir_request(self._sandbox._sandbox_id(), path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._send(_core.stat_request(self._sandbox._sandbox_id(), path))
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._send(_core.remove_request(self._sandbox._sandbox_id(), path, recursive))
+
+    def mkdir(self, path: str, parents: bool = True) -> FileEntry:
+        return self._send(_core.mkdir_request(self._sandbox._sandbox_id(), path, parents))
+
+    def upload(
+        self, local_path: str | os.PathLike[str], remote_path: str, mode: int = 0o644
+    ) -> FileEntry:
+        request = _core.write_request(self._sandbox._sandbox_id(), remote_path, mode)
+        with open(local_path, "rb") as file:
+            return self._send(request, iter(functools.partial(file.read, _core.CHUNK_BYTES), b""))
+
+    def download(self, remote_path: str, local_path: str | os.PathLike[str]) -> int:
+        request = _core.read_request(self._sandbox._sandbox_id(), remote_path)
+        client = self._sandbox._client
+        if client._closed:
+            raise FailedPrecondition("this Client is closed; create a new one")
+        with (
+            _core.translate_errors(client._settings, request),
+            client._http.stream(request.method, request.path, params=request.params) as response,
+        ):
+            if response.status_code >= 400:
+                _core.check_status(response.status_code, response.read())
+            with _core.PartFile(local_path) as out:
+                for chunk in response.iter_bytes(_core.CHUNK_BYTES):
+                    out.write(chunk)
+        return out.size
+
+
+def _copy_docs(sync_cls: type, async_cls: type) -> None:
+    """Give each public sync method without a docstring its async twin's."""
+    for name, member in vars(sync_cls).items():
+        if name.startswith("_") or not callable(member) or member.__doc__:
+            continue
+        member.__doc__ = getattr(async_cls, name).__doc__
+
+
+_copy_docs(Client, AsyncClient)
+_copy_docs(Sandbox, AsyncSandbox)
+_copy_docs(Files, AsyncFiles)

@@ -1,0 +1,1 @@
+"""Wire models and errors shared by every component."""

@@ -1,0 +1,259 @@
+"""Everything that crosses the wire, as pydantic models.
+
+Unknown fields are rejected (``extra="forbid"``) so a typo in a request is an
+error, not a silently ignored option. Bytes travel as standard base64 strings
+in JSON; in Python they are plain ``bytes``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+
+__all__ = [
+    "BUILT_KINDS",
+    "KINDS",
+    "B64Bytes",
+    "CreateSandboxRequest",
+    "ExecRequest",
+    "ExecResult",
+    "ExecStatus",
+    "FileEntry",
+    "ImageConfig",
+    "ImageManifest",
+    "Kind",
+    "LayerDescriptor",
+    "LayerKind",
+    "NodeCapacity",
+    "NodeCreateRequest",
+    "NodeHeartbeat",
+    "NodeInfo",
+    "NodeRegistration",
+    "SandboxInfo",
+    "SandboxState",
+    "WireModel",
+]
+
+Kind = Literal["fncall", "container", "microvm", "vm"]
+KINDS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
+#: Kinds this release can run; the others are rejected with a clear error.
+BUILT_KINDS: tuple[str, ...] = ("container",)
+
+ExecStatus = Literal["exited", "signaled", "timeout", "oom"]
+SandboxState = Literal["creating", "running", "destroying", "destroyed", "failed"]
+LayerKind = Literal["base", "toolkit", "workspace", "diff"]
+
+
+def _b64_validate(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"not valid base64: {exc}") from exc
+    raise ValueError("expected bytes (base64 in JSON)")
+
+
+B64Bytes = Annotated[
+    bytes,
+    PlainValidator(_b64_validate),
+    PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
+]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- sandboxes
+
+
+class CreateSandboxRequest(WireModel):
+    """What a caller asks for when creating a sandbox."""
+
+    kind: Kind = "container"
+    """Isolation level; the single switch between kinds."""
+    image: str
+    """Image reference ``name:tag`` (tag defaults to ``latest``)."""
+    workspace: str | None = None
+    """Optional workspace layer ``name:tag`` stacked on top of the image."""
+    cpu: float = Field(1.0, description="CPU share in cores (0.05-64).")
+    memory_mb: int = Field(512, description="Memory limit in MiB (16-65536).")
+    pids_limit: int = Field(256, description="Maximum number of processes (8-65536).")
+    ttl_s: float | None = Field(3600.0, description="Hard lifetime in seconds; None = no TTL.")
+    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for every exec.")
+
+
+class NodeCreateRequest(CreateSandboxRequest):
+    """The control plane's create call to a node: the request plus the chosen id."""
+
+    id: str
+
+
+class SandboxInfo(WireModel):
+    """A sandbox as the control plane records it."""
+
+    id: str
+    kind: Kind
+    node_id: str
+    state: SandboxState
+    image: str
+    workspace: str | None = None
+    cpu: float
+    memory_mb: int
+    pids_limit: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
+    expires_at: float | None = Field(None, description="Unix time the TTL ends, seconds.")
+
+
+# --------------------------------------------------------------------------- exec
+
+
+class ExecRequest(WireModel):
+    """One command to run inside a sandbox.
+
+    ``cmd`` is an argv list (run directly, no shell) or a string (run by
+    ``/bin/sh -c``). ``stdin`` is empty unless given. ``timeout_s`` bounds the
+    whole command; on expiry its whole process group is killed.
+    """
+
+    cmd: list[str] | str
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: B64Bytes = b""
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    max_output_bytes: int = Field(
+        16 * 1024 * 1024, ge=0, description="Cap on captured stdout and stderr each, bytes."
+    )
+
+
+class ExecResult(WireModel):
+    """How a command ended.
+
+    ``status`` is ``exited`` (see ``exit_code``), ``signaled`` (see ``signal``),
+    ``timeout`` (killed at its deadline; ``exit_code`` is None) or ``oom``
+    (killed by the sandbox's memory limit, from the cgroup's OOM counter).
+    """
+
+    status: ExecStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: B64Bytes = b""
+    stderr: B64Bytes = b""
+    stdout_dropped: int = Field(0, description="Bytes of stdout dropped by the output cap.")
+    stderr_dropped: int = Field(0, description="Bytes of stderr dropped by the output cap.")
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited with code 0."""
+        return self.status == "exited" and self.exit_code == 0
+
+    @property
+    def stdout_text(self) -> str:
+        """stdout decoded as UTF-8; undecodable bytes become U+FFFD, never an error."""
+        return self.stdout.decode("utf-8", errors="replace")
+
+    @property
+    def stderr_text(self) -> str:
+        """stderr decoded as UTF-8; undecodable bytes become U+FFFD, never an error."""
+        return self.stderr.decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------- files
+
+
+class FileEntry(WireModel):
+    """One directory entry or ``stat`` answer. ``size`` in bytes, ``mtime`` Unix seconds."""
+
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+# --------------------------------------------------------------------------- images
+
+
+class LayerDescriptor(WireModel):
+    """One EROFS layer: content-addressed by the sha256 of its file."""
+
+    digest: str = Field(description="'sha256:<hex>' of the EROFS file.")
+    size: int = Field(description="Size of the EROFS file in bytes.")
+    kind: LayerKind
+
+
+class ImageConfig(WireModel):
+    """Defaults an image gives every exec."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+
+
+class ImageManifest(WireModel):
+    """A named, versioned stack of layers, bottom layer first."""
+
+    name: str
+    tag: str
+    kind: LayerKind
+    layers: list[LayerDescriptor]
+    config: ImageConfig = Field(default_factory=ImageConfig)
+    source: str = ""
+    created_at: float = Field(default_factory=time.time)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.tag}"
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+class NodeCapacity(WireModel):
+    """What a node offers. ``memory_mb`` in MiB, ``cpu`` in cores."""
+
+    max_sandboxes: int
+    cpu: float
+    memory_mb: int
+
+
+class NodeRegistration(WireModel):
+    """A node agent introducing itself to the control plane."""
+
+    node_id: str
+    address: str = Field(description="Base URL of the node agent's HTTP API.")
+    kinds: list[Kind]
+    capacity: NodeCapacity
+    capabilities: dict[str, Any] = Field(default_factory=dict)
+
+
+class NodeHeartbeat(WireModel):
+    """Load a node reports every few seconds."""
+
+    sandboxes: int
+    memory_mb_reserved: int
+    cpu_reserved: float
+
+
+class NodeInfo(WireModel):
+    """A node as the control plane sees it."""
+
+    node_id: str
+    address: str
+    kinds: list[Kind]
+    capacity: NodeCapacity
+    capabilities: dict[str, Any] = Field(default_factory=dict)
+    sandboxes: int = 0
+    memory_mb_reserved: int = 0
+    cpu_reserved: float = 0.0
+    last_heartbeat: float = 0.0
+    healthy: bool = True

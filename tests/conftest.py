@@ -1,0 +1,71 @@
+"""Shared fixtures: real images, real servers on free ports, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandfleet.cli.local import LocalDeployment
+from sandfleet.images import ImageStore, build_from_directory
+from sandfleet.node.leaks import leftovers
+
+#: Debian images take a minute to build; tests keep them here between runs.
+CACHE_DIR = Path(os.environ.get("SANDFLEET_TEST_CACHE", "/var/tmp/sandfleet-test-cache"))
+BUSYBOX_IMAGE = "test/busybox:1"
+
+
+def _busybox_tree(root: Path) -> None:
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.fail("busybox-static is needed: apt-get install busybox-static")
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "tmp", "root", "etc", "proc", "sys", "dev", "work dir"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy(busybox, root / "bin" / "busybox")
+    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in applets:
+        link = root / "bin" / applet
+        if not link.exists():
+            link.symlink_to("busybox")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (root / "tmp").chmod(0o1777)
+
+
+@pytest.fixture(scope="session")
+def images_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A session image store holding a small busybox image (built in about a second)."""
+    root = tmp_path_factory.mktemp("images")
+    tree = tmp_path_factory.mktemp("busybox-tree")
+    _busybox_tree(tree)
+    build_from_directory(ImageStore(root), BUSYBOX_IMAGE, tree)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_images_dir() -> Path:
+    """The demo's Debian base and more-itertools workspace, built once and cached."""
+    from rich.console import Console
+
+    from sandfleet.cli.demo import ensure_demo_images
+
+    root = CACHE_DIR / "images"
+    ensure_demo_images(root, Console(stderr=True))
+    return root
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, images_dir: Path) -> Iterator[LocalDeployment]:
+    """A real `sandfleet up` on free ports; after the test, nothing may be left on its node."""
+    with LocalDeployment(tmp_path / "state", images_dir) as dep:
+        yield dep
+    assert_clean(dep.state_dir)
+
+
+def assert_clean(state_dir: Path) -> None:
+    left = leftovers(state_dir)
+    assert not left, "left behind: " + "; ".join(left)
