@@ -39,7 +39,8 @@ T = TypeVar("T")
 ALL_ERRORS: list[type[E.SandfleetError]] = [
     getattr(E, name)
     for name in E.__all__
-    if isinstance(getattr(E, name), type) and issubclass(getattr(E, name), E.SandfleetError)
+    if isinstance(getattr(E, name), type)
+    and issubclass(getattr(E, name), E.SandfleetError)
     and getattr(E, name) is not E.SandfleetError
 ]
 
@@ -66,8 +67,14 @@ def _error(code: str, message: str) -> JSONResponse:
 
 
 def _entry(path: str, kind: str = "file", size: int = 0, mode: int = 0o644) -> dict[str, Any]:
-    return {"name": path.rsplit("/", 1)[-1], "path": path, "type": kind, "size": size,
-            "mode": mode, "mtime": 1.0}
+    return {
+        "name": path.rsplit("/", 1)[-1],
+        "path": path,
+        "type": kind,
+        "size": size,
+        "mode": mode,
+        "mtime": 1.0,
+    }
 
 
 def make_app(state: State) -> Callable[..., Awaitable[None]]:
@@ -82,8 +89,11 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
     async def sandboxes(request: Request) -> Response:
         if request.method == "GET":
             want = dict(v.split("=", 1) for v in request.query_params.getlist("label"))
-            found = [s.model_dump(mode="json") for s in state.sandboxes.values()
-                     if all(s.labels.get(k) == v for k, v in want.items())]
+            found = [
+                s.model_dump(mode="json")
+                for s in state.sandboxes.values()
+                if all(s.labels.get(k) == v for k, v in want.items())
+            ]
             return JSONResponse({"sandboxes": found})
         body = await request.json()
         if body["image"] == "busy":
@@ -91,10 +101,17 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
         if body["image"] == "slow-create":
             await asyncio.sleep(0.5)
         state.counter += 1
-        info = SandboxInfo(id=f"sb-{state.counter}", kind=body["kind"], node_id="n1",
-                           state="running", image=body["image"], cpu=body["cpu"],
-                           memory_mb=body["memory_mb"], pids_limit=body["pids_limit"],
-                           labels=body["labels"])
+        info = SandboxInfo(
+            id=f"sb-{state.counter}",
+            kind=body["kind"],
+            node_id="n1",
+            state="running",
+            image=body["image"],
+            cpu=body["cpu"],
+            memory_mb=body["memory_mb"],
+            pids_limit=body["pids_limit"],
+            labels=body["labels"],
+        )
         state.sandboxes[info.id] = info
         return JSONResponse(info.model_dump(mode="json"), status_code=201)
 
@@ -106,8 +123,6 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
             return PlainTextResponse("<html>hello</html>")
         if sid == "text502":
             return PlainTextResponse("Bad Gateway", status_code=502)
-        if sid == "fastapi404":
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
         found = lookup(request)
         if isinstance(found, Response):
             return found
@@ -128,11 +143,22 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
         if body["cmd"] == "sleep":
             await asyncio.sleep(0.6)
         stdin = base64.b64decode(body["stdin"])
-        out = json.dumps({"cmd": body["cmd"], "env": body["env"], "cwd": body["cwd"],
-                          "timeout_s": body["timeout_s"]}).encode()
-        return JSONResponse({"status": "exited", "exit_code": 0,
-                             "stdout": base64.b64encode(out).decode(),
-                             "stderr": base64.b64encode(stdin).decode()})
+        out = json.dumps(
+            {
+                "cmd": body["cmd"],
+                "env": body["env"],
+                "cwd": body["cwd"],
+                "timeout_s": body["timeout_s"],
+            }
+        ).encode()
+        return JSONResponse(
+            {
+                "status": "exited",
+                "exit_code": 0,
+                "stdout": base64.b64encode(out).decode(),
+                "stderr": base64.b64encode(stdin).decode(),
+            }
+        )
 
     async def content(request: Request) -> Response:
         found = lookup(request)
@@ -159,10 +185,13 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
         found = lookup(request)
         if isinstance(found, Response):
             return found
-        op, path = request.path_params["op"], request.query_params["path"]
+        op, path = request.path_params.get("op", "remove"), request.query_params["path"]
         if op == "list":
-            entries = [_entry(p, size=len(d)) for (sid, p), d in sorted(state.files.items())
-                       if sid == found.id and p.startswith(path)]
+            entries = [
+                _entry(p, size=len(d))
+                for (sid, p), d in sorted(state.files.items())
+                if sid == found.id and p.startswith(path)
+            ]
             return JSONResponse({"entries": entries})
         if op == "stat":
             if (found.id, path) not in state.files:
@@ -177,31 +206,57 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
         return Response(status_code=204)
 
     async def images(_: Request) -> Response:
-        return JSONResponse({"images": [{"name": "python", "tag": "3.11", "kind": "base",
-                                         "layers": [{"digest": "sha256:00", "size": 1,
-                                                     "kind": "base"}]}]})
+        return JSONResponse(
+            {
+                "images": [
+                    {
+                        "name": "python",
+                        "tag": "3.11",
+                        "kind": "base",
+                        "layers": [{"digest": "sha256:00", "size": 1, "kind": "base"}],
+                    }
+                ]
+            }
+        )
 
     async def nodes(_: Request) -> Response:
-        return JSONResponse({"nodes": [{"node_id": "n1", "address": "http://x", "kinds":
-                                        ["container"], "capacity": {"max_sandboxes": 8,
-                                        "cpu": 2.0, "memory_mb": 1024}}]})
+        return JSONResponse(
+            {
+                "nodes": [
+                    {
+                        "node_id": "n1",
+                        "address": "http://x",
+                        "kinds": ["container"],
+                        "capacity": {"max_sandboxes": 8, "cpu": 2.0, "memory_mb": 1024},
+                    }
+                ]
+            }
+        )
 
-    app = Starlette(routes=[
-        Route("/v1/sandboxes", sandboxes, methods=["GET", "POST"]),
-        Route("/v1/sandboxes/{sid}", sandbox, methods=["GET", "DELETE"]),
-        Route("/v1/sandboxes/{sid}/exec", exec_, methods=["POST"]),
-        Route("/v1/sandboxes/{sid}/files/content", content, methods=["GET", "PUT"]),
-        Route("/v1/sandboxes/{sid}/files/{op}", files_op, methods=["GET", "POST"]),
-        Route("/v1/sandboxes/{sid}/files", files_op, methods=["DELETE"]),
-        Route("/v1/images", images),
-        Route("/v1/nodes", nodes),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/v1/sandboxes", sandboxes, methods=["GET", "POST"]),
+            Route("/v1/sandboxes/{sid}", sandbox, methods=["GET", "DELETE"]),
+            Route("/v1/sandboxes/{sid}/exec", exec_, methods=["POST"]),
+            Route("/v1/sandboxes/{sid}/files/content", content, methods=["GET", "PUT"]),
+            Route("/v1/sandboxes/{sid}/files/{op}", files_op, methods=["GET", "POST"]),
+            Route("/v1/sandboxes/{sid}/files", files_op, methods=["DELETE"]),
+            Route("/v1/images", images),
+            Route("/v1/nodes", nodes),
+        ]
+    )
 
     async def recording(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             auth = dict(scope["headers"]).get(b"authorization")
-            state.seen.append((scope["method"], scope["path"], scope["query_string"].decode(),
-                               auth.decode() if auth else None))
+            state.seen.append(
+                (
+                    scope["method"],
+                    scope["path"],
+                    scope["query_string"].decode(),
+                    auth.decode() if auth else None,
+                )
+            )
         await app(scope, receive, send)
 
     return recording
@@ -216,10 +271,12 @@ class Server:
 @pytest.fixture(scope="module")
 def _server() -> Iterator[Server]:
     state = State()
-    config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        make_app(state), log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+    )
     server = uvicorn.Server(config)
-    with socket.socket() as sock:
+    # proto=IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (else ~40 ms/call)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
         sock.bind(("127.0.0.1", 0))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
@@ -292,8 +349,9 @@ def test_async_and_sync_surfaces_match(async_cls: type, sync_cls: type) -> None:
         assert inspect.signature(member).parameters == inspect.signature(s[name]).parameters, name
         assert member.__doc__ and s[name].__doc__, f"{name} lacks a docstring"
     shape = [(p.name, p.kind, p.default) for p in inspect.signature(async_cls).parameters.values()]
-    assert shape == [(p.name, p.kind, p.default)
-                     for p in inspect.signature(sync_cls).parameters.values()]
+    assert shape == [
+        (p.name, p.kind, p.default) for p in inspect.signature(sync_cls).parameters.values()
+    ]
     assert hasattr(async_cls, "__aenter__") == hasattr(sync_cls, "__enter__")
 
 
@@ -308,11 +366,15 @@ def test_public_exports_are_exactly_all() -> None:
 
 def test_settings_precedence() -> None:
     env = {"SANDFLEET_URL": "http://env:1/", "SANDFLEET_TOKEN": "envtok"}
-    assert Settings.resolve("http://arg:2", "argtok", 5, env) == Settings("http://arg:2", "argtok", 5)
+    default = Settings("http://127.0.0.1:7070", None, 30.0)
+    assert Settings.resolve("http://arg:2", "argtok", 5, env) == Settings(
+        "http://arg:2", "argtok", 5
+    )
     assert Settings.resolve(None, None, None, env) == Settings("http://env:1", "envtok", 30.0)
-    assert Settings.resolve(None, None, None, {}) == Settings("http://127.0.0.1:7070", None, 30.0)
-    empty = {"SANDFLEET_URL": "", "SANDFLEET_TOKEN": ""}
-    assert Settings.resolve(None, None, None, empty) == Settings("http://127.0.0.1:7070", None, 30.0)
+    assert Settings.resolve(None, None, None, {}) == default
+    assert (
+        Settings.resolve(None, None, None, {"SANDFLEET_URL": "", "SANDFLEET_TOKEN": ""}) == default
+    )
     assert Settings.resolve(None, None, 2, {}).exec_timeout_s(60) == 60 + EXEC_MARGIN_S
     with pytest.raises(E.InvalidArgument, match=r"\$SANDFLEET_URL 'localhost:7070'.*http://"):
         Settings.resolve(None, None, None, {"SANDFLEET_URL": "localhost:7070"})
@@ -320,8 +382,9 @@ def test_settings_precedence() -> None:
         Settings.resolve(None, None, 0, {})
 
 
-def test_env_settings_reach_the_wire(server: Server, monkeypatch: pytest.MonkeyPatch,
-                                     flavor: str) -> None:
+def test_env_settings_reach_the_wire(
+    server: Server, monkeypatch: pytest.MonkeyPatch, flavor: str
+) -> None:
     monkeypatch.setenv("SANDFLEET_URL", server.url)
     monkeypatch.setenv("SANDFLEET_TOKEN", "from-env")
 
@@ -348,8 +411,12 @@ def test_lifecycle_exec_and_files(server: Server, flavor: str, tmp_path: Path) -
 
         r = await aw(sb.exec(["echo", "hi"], env={"A": "1"}, cwd="/w", stdin="é", timeout_s=5))
         assert r.ok and r.stderr == "é".encode()
-        assert json.loads(r.stdout) == {"cmd": ["echo", "hi"], "env": {"A": "1"}, "cwd": "/w",
-                                        "timeout_s": 5}
+        assert json.loads(r.stdout) == {
+            "cmd": ["echo", "hi"],
+            "env": {"A": "1"},
+            "cwd": "/w",
+            "timeout_s": 5,
+        }
         assert json.loads((await aw(sb.exec("echo $A"))).stdout)["cmd"] == "echo $A"
 
         entry = await aw(sb.files.write("/w/a.txt", "text", mode=0o600))
@@ -375,8 +442,8 @@ def test_lifecycle_exec_and_files(server: Server, flavor: str, tmp_path: Path) -
         assert server.state.deleted == ["sb-1"]
         with pytest.raises(E.NotFound, match="destroyed"):
             await aw(sb.exec("true"))
-        other = await aw(client.get("sb-1")) if False else None
-        assert other is None
+        with pytest.raises(E.NotFound, match="no sandbox sb-1"):
+            await aw(client.get("sb-1"))
         await aw(client.close())
         await aw(client.close())
         with pytest.raises(E.FailedPrecondition, match="closed"):
@@ -400,12 +467,15 @@ def test_context_managers_destroy(server: Server) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted({*KINDS, "bogus"} - set(BUILT_KINDS)))
-def test_unavailable_kind_rejected_before_any_request(closed_url: str, flavor: str,
-                                                      kind: str) -> None:
+def test_unavailable_kind_rejected_before_any_request(
+    closed_url: str, flavor: str, kind: str
+) -> None:
     async def run() -> None:
         client = make_client(flavor, closed_url)  # any request would raise Unavailable
-        for call in (lambda: client.create(kind=kind, image="img"),
-                     lambda: client.run("true", kind=kind, image="img")):
+        for call in (
+            lambda: client.create(kind=kind, image="img"),
+            lambda: client.run("true", kind=kind, image="img"),
+        ):
             with pytest.raises(E.InvalidArgument, match=rf"{kind}.*available: 'container'"):
                 await aw(call())
         with pytest.raises(E.InvalidArgument, match="timeout_s"):
@@ -419,8 +489,9 @@ def test_unavailable_kind_rejected_before_any_request(closed_url: str, flavor: s
 
 
 @pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.code)
-def test_server_error_bodies_become_their_class(server: Server, flavor: str,
-                                                cls: type[E.SandfleetError]) -> None:
+def test_server_error_bodies_become_their_class(
+    server: Server, flavor: str, cls: type[E.SandfleetError]
+) -> None:
     async def run() -> None:
         client = make_client(flavor, server.url)
         with pytest.raises(cls, match=f"canned {cls.code}") as info:
@@ -434,7 +505,7 @@ def test_server_error_bodies_become_their_class(server: Server, flavor: str,
 def test_unexpected_answers_are_internal(server: Server, flavor: str) -> None:
     async def run() -> None:
         client = make_client(flavor, server.url)
-        with pytest.raises(E.Internal, match="HTTP 502.*Bad Gateway"):
+        with pytest.raises(E.Internal, match=r"HTTP 502.*Bad Gateway"):
             await aw(client.get("text502"))
         with pytest.raises(E.Internal, match="unexpected answer"):
             await aw(client.get("garbage"))
@@ -449,15 +520,27 @@ def test_unexpected_answers_are_internal(server: Server, flavor: str) -> None:
 def test_closed_port_is_unavailable(closed_url: str, flavor: str, tmp_path: Path) -> None:
     local = tmp_path / "f"
     local.write_bytes(b"x")
-    info = SandboxInfo(id="sb-1", kind="container", node_id="n", state="running", image="i",
-                       cpu=1, memory_mb=1, pids_limit=8)
+    info = SandboxInfo(
+        id="sb-1",
+        kind="container",
+        node_id="n",
+        state="running",
+        image="i",
+        cpu=1,
+        memory_mb=1,
+        pids_limit=8,
+    )
 
     async def run() -> None:
         client = make_client(flavor, closed_url)
         sb = (Sandbox if flavor == "sync" else AsyncSandbox)(client, info)
-        calls = [client.list, lambda: client.create(image="i"), lambda: sb.exec("true"),
-                 lambda: sb.files.upload(local, "/f"),
-                 lambda: sb.files.download("/f", tmp_path / "g")]
+        calls = [
+            client.list,
+            lambda: client.create(image="i"),
+            lambda: sb.exec("true"),
+            lambda: sb.files.upload(local, "/f"),
+            lambda: sb.files.download("/f", tmp_path / "g"),
+        ]
         for call in calls:
             with pytest.raises(E.Unavailable) as err:
                 await aw(call())
@@ -503,6 +586,11 @@ def test_upload_and_download_stream(server: Server, flavor: str, tmp_path: Path)
         with pytest.raises(E.NotFound):
             await aw(sb.files.download("/missing", tmp_path / "none"))
         assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.bin", "src.bin"]
+        gone = (Sandbox if flavor == "sync" else AsyncSandbox)(
+            client, sb.info.model_copy(update={"id": "err-NOT_FOUND"})
+        )
+        with pytest.raises(E.NotFound, match="canned"):  # refused before the body is read
+            await aw(gone.files.upload(src, "/big.bin"))
         with pytest.raises(FileNotFoundError):
             await aw(sb.files.upload(tmp_path / "absent", "/x"))
         await aw(client.close())

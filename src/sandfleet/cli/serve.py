@@ -71,6 +71,7 @@ def build_node_app(
     from sandfleet.node.service import NodeService
 
     validate_node_id(node_id)
+    _become_subreaper()
     node_dir = state_dir / "nodes" / node_id
     backends = load_backends(node_dir)
     host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
@@ -95,6 +96,14 @@ def build_node_app(
         registration=registration,
         destroy_on_exit=destroy_on_exit,
     )
+
+
+def _become_subreaper() -> None:
+    """Adopt orphaned box init processes so destroy reaps them at once, not the host's init."""
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -126,7 +126,7 @@ def create_app(
     @api.post("/sandboxes/{sandbox_id}/exec")
     async def exec_(sandbox_id: str, req: ExecRequest, cp: CP) -> Response:
         async with cp.forward(
-            sandbox_id, "POST", "/exec", timeout_s=req.timeout_s + 30,
+            sandbox_id, "POST", "/exec", timeout_s=req.timeout_s + 5,
             json=req.model_dump(mode="json"),
         ) as resp:
             body = await resp.aread()

@@ -44,6 +44,7 @@ static volatile sig_atomic_t got_chld, got_alrm, got_term;
 static sigset_t wait_mask;  /* mask while sleeping in ppoll: our signals open */
 static int handoff[2] = {-1, -1}; /* handler -> PID 1: pipe fds to keep draining */
 static const char *sock_path;
+static pid_t main_pid; /* ping reports the agent, not the handler */
 
 /* Big buffers live in BSS: untouched pages cost no RSS, and only handlers touch them. */
 static uint8_t req_buf[MAX_FRAME];
@@ -703,7 +704,7 @@ static void op_ping(int c)
 {
 	uint8_t buf[64];
 	char pid[16];
-	snprintf(pid, sizeof pid, "%d", (int)getpid());
+	snprintf(pid, sizeof pid, "%d", (int)main_pid);
 	size_t n = put_field(buf, 'v', VERSION);
 	n += put_field(buf + n, 'p', pid);
 	send_frame(c, 'K', buf, n);
@@ -884,20 +885,24 @@ static void serve(int ls)
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: sandfleet-agent --socket PATH [--workdir DIR]\n");
+	fprintf(stderr, "usage: sandfleet-agent (--socket PATH | --listen-fd N) [--workdir DIR]\n");
 	exit(2);
 }
 
 int main(int argc, char **argv)
 {
 	const char *workdir = NULL;
+	int ls = -1;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock_path = argv[++i];
+		/* a listening socket made by the node (e.g. runc --preserve-fds):
+		 * then no socket file needs to be visible inside the sandbox */
+		else if (!strcmp(argv[i], "--listen-fd") && i + 1 < argc) ls = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--workdir") && i + 1 < argc) workdir = argv[++i];
 		else if (!strcmp(argv[i], "--version")) return puts("sandfleet-agent " VERSION) < 0;
 		else usage();
 	}
-	if (!sock_path) usage();
+	if ((sock_path != NULL) == (ls >= 0)) usage(); /* exactly one of the two */
 	/* As PID 1 of a bare box, 0-2 may be closed; keep pipes off those numbers. */
 	for (int fd = 0; fd < 3; fd++)
 		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0) break;
@@ -905,7 +910,8 @@ int main(int argc, char **argv)
 		fprintf(stderr, "sandfleet-agent: --workdir %s: %s\n", workdir, strerror(errno));
 		return 2;
 	}
-	if (getpid() != 1) prctl(PR_SET_CHILD_SUBREAPER, 1);
+	main_pid = getpid();
+	if (main_pid != 1) prctl(PR_SET_CHILD_SUBREAPER, 1);
 
 	struct sigaction sa = {.sa_handler = on_signal};
 	sigemptyset(&sa.sa_mask);
@@ -928,10 +934,17 @@ int main(int argc, char **argv)
 
 	if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, handoff) < 0) return 2;
 	fcntl(handoff[0], F_SETFL, O_NONBLOCK);
-	int ls = listen_on(sock_path);
+	if (ls >= 0) {
+		if (fcntl(ls, F_SETFD, FD_CLOEXEC) < 0 || fcntl(ls, F_SETFL, O_NONBLOCK) < 0) {
+			fprintf(stderr, "sandfleet-agent: --listen-fd %d: %s\n", ls, strerror(errno));
+			return 2;
+		}
+	} else {
+		ls = listen_on(sock_path);
+	}
 	serve(ls);
 	close(ls);
-	unlink(sock_path);
+	if (sock_path) unlink(sock_path);
 	kill_all();
 	return 0;
 }

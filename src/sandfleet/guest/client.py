@@ -301,4 +301,3 @@ class AgentClient:
         if ftype == p.ERROR:
             raise p.decode_error(payload)
         raise self._unexpected(op, ftype)
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ CHUNK_BYTES = 1 << 20
 #: ``max_connections=None``: no client-side queue; thousands of concurrent execs
 #: each hold a connection, and the control plane's admission is the limit.
 POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+#: httpcore writes a request's head and body separately; without TCP_NODELAY a
+#: small body can wait for a delayed ACK (~40 ms) on real networks.
+SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 _JSON = {"content-type": "application/json"}
 _OCTETS = {"content-type": "application/octet-stream"}
@@ -260,7 +264,10 @@ def create_request(
         env=dict(env or {}),
     )
     return Request(
-        "POST", "/v1/sandboxes", _model(SandboxInfo), body=body.model_dump_json().encode(),
+        "POST",
+        "/v1/sandboxes",
+        _model(SandboxInfo),
+        body=body.model_dump_json().encode(),
         headers=_JSON,
     )
 
@@ -308,14 +315,20 @@ def exec_request(
     settings: Settings, sandbox_id: str, body: bytes, timeout_s: float
 ) -> Request[ExecResult]:
     return Request(
-        "POST", _sandbox_path(sandbox_id, "/exec"), _model(ExecResult), body=body,
-        headers=_JSON, timeout_s=settings.exec_timeout_s(timeout_s),
+        "POST",
+        _sandbox_path(sandbox_id, "/exec"),
+        _model(ExecResult),
+        body=body,
+        headers=_JSON,
+        timeout_s=settings.exec_timeout_s(timeout_s),
     )
 
 
 def read_request(sandbox_id: str, path: str) -> Request[bytes]:
     return Request(
-        "GET", _sandbox_path(sandbox_id, "/files/content"), _raw,
+        "GET",
+        _sandbox_path(sandbox_id, "/files/content"),
+        _raw,
         params=(("path", _remote_path(path)),),
     )
 
@@ -329,35 +342,47 @@ def write_request(
     if isinstance(data, str):
         data = data.encode()
     return Request(
-        "PUT", _sandbox_path(sandbox_id, "/files/content"), _model(FileEntry),
-        params=(("path", _remote_path(path)), ("mode", str(mode))), body=data, headers=_OCTETS,
+        "PUT",
+        _sandbox_path(sandbox_id, "/files/content"),
+        _model(FileEntry),
+        params=(("path", _remote_path(path)), ("mode", str(mode))),
+        body=data,
+        headers=_OCTETS,
     )
 
 
 def list_dir_request(sandbox_id: str, path: str) -> Request[list[FileEntry]]:
     return Request(
-        "GET", _sandbox_path(sandbox_id, "/files/list"), _entries,
+        "GET",
+        _sandbox_path(sandbox_id, "/files/list"),
+        _entries,
         params=(("path", _remote_path(path)),),
     )
 
 
 def stat_request(sandbox_id: str, path: str) -> Request[FileEntry]:
     return Request(
-        "GET", _sandbox_path(sandbox_id, "/files/stat"), _model(FileEntry),
+        "GET",
+        _sandbox_path(sandbox_id, "/files/stat"),
+        _model(FileEntry),
         params=(("path", _remote_path(path)),),
     )
 
 
 def remove_request(sandbox_id: str, path: str, recursive: bool) -> Request[None]:
     return Request(
-        "DELETE", _sandbox_path(sandbox_id, "/files"), _none,
+        "DELETE",
+        _sandbox_path(sandbox_id, "/files"),
+        _none,
         params=(("path", _remote_path(path)), ("recursive", _bool(recursive))),
     )
 
 
 def mkdir_request(sandbox_id: str, path: str, parents: bool) -> Request[FileEntry]:
     return Request(
-        "POST", _sandbox_path(sandbox_id, "/files/mkdir"), _model(FileEntry),
+        "POST",
+        _sandbox_path(sandbox_id, "/files/mkdir"),
+        _model(FileEntry),
         params=(("path", _remote_path(path)), ("parents", _bool(parents))),
     )
 

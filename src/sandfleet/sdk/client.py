@@ -59,7 +59,9 @@ class AsyncClient:
             base_url=self._settings.url,
             headers=self._settings.headers(),
             timeout=self._settings.timeout_s,
-            limits=_core.POOL_LIMITS,
+            transport=httpx.AsyncHTTPTransport(
+                limits=_core.POOL_LIMITS, socket_options=_core.SOCKET_OPTIONS
+            ),
         )
         self._closed = False
         self._background: set[asyncio.Future[Any]] = set()
@@ -77,9 +79,7 @@ class AsyncClient:
     async def _send(self, request: _core.Request[T], content: Any = None) -> T:
         if self._closed:
             raise FailedPrecondition("this AsyncClient is closed; create a new one")
-        timeout: Any = (
-            httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
-        )
+        timeout: Any = httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
         with _core.translate_errors(self._settings, request):
             response = await self._http.request(
                 request.method,
@@ -136,8 +136,15 @@ class AsyncClient:
         """
         return await self._create(
             _core.create_request(
-                kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
-                pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=env,
+                kind=kind,
+                image=image,
+                workspace=workspace,
+                cpu=cpu,
+                memory_mb=memory_mb,
+                pids_limit=pids_limit,
+                ttl_s=ttl_s,
+                labels=labels,
+                env=env,
             )
         )
 
@@ -182,8 +189,15 @@ class AsyncClient:
         (the sandbox's TTL reclaims it).
         """
         create = _core.create_request(
-            kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
-            pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=None,
+            kind=kind,
+            image=image,
+            workspace=workspace,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            pids_limit=pids_limit,
+            ttl_s=ttl_s,
+            labels=labels,
+            env=None,
         )
         body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
         creating = asyncio.ensure_future(self._create(create))
@@ -223,7 +237,9 @@ class AsyncClient:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.close()
@@ -309,7 +325,9 @@ class AsyncSandbox:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self._client._destroy_shielded(self)

@@ -55,7 +55,9 @@ class Client:
             base_url=self._settings.url,
             headers=self._settings.headers(),
             timeout=self._settings.timeout_s,
-            limits=_core.POOL_LIMITS,
+            transport=httpx.HTTPTransport(
+                limits=_core.POOL_LIMITS, socket_options=_core.SOCKET_OPTIONS
+            ),
         )
         self._closed = False
 
@@ -70,9 +72,7 @@ class Client:
     def _send(self, request: _core.Request[T], content: Any = None) -> T:
         if self._closed:
             raise FailedPrecondition("this Client is closed; create a new one")
-        timeout: Any = (
-            httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
-        )
+        timeout: Any = httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
         with _core.translate_errors(self._settings, request):
             response = self._http.request(
                 request.method,
@@ -101,8 +101,15 @@ class Client:
             self,
             self._send(
                 _core.create_request(
-                    kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
-                    pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=env,
+                    kind=kind,
+                    image=image,
+                    workspace=workspace,
+                    cpu=cpu,
+                    memory_mb=memory_mb,
+                    pids_limit=pids_limit,
+                    ttl_s=ttl_s,
+                    labels=labels,
+                    env=env,
                 )
             ),
         )
@@ -142,8 +149,15 @@ class Client:
         sandbox's TTL reclaims it).
         """
         create = _core.create_request(
-            kind=kind, image=image, workspace=workspace, cpu=cpu, memory_mb=memory_mb,
-            pids_limit=pids_limit, ttl_s=ttl_s, labels=labels, env=None,
+            kind=kind,
+            image=image,
+            workspace=workspace,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            pids_limit=pids_limit,
+            ttl_s=ttl_s,
+            labels=labels,
+            env=None,
         )
         body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
         sandbox = Sandbox(self, self._send(create))
@@ -168,7 +182,9 @@ class Client:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()
@@ -238,7 +254,9 @@ class Sandbox:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.destroy()

@@ -140,6 +140,8 @@ def error_from_wire(body: Any, http_status: int) -> SandfleetError:
         err = body["error"]
         cls = _BY_CODE.get(str(err.get("code")), Internal)
         return cls(str(err.get("message", "")))
-    if isinstance(body, dict) and "detail" in body:  # FastAPI's own validation errors
-        return InvalidArgument(f"request rejected: {body['detail']}")
-    return Internal(f"unexpected answer (HTTP {http_status}): {str(body)[:500]}")
+    # No code: a proxy, or the wrong server (a bad URL or API version). Map by status.
+    by_status = {c.http_status: c for c in _BY_CODE.values() if c is not Internal}
+    cls = by_status.get(http_status, Internal)
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    return cls(f"unexpected answer (HTTP {http_status}; is the URL a sandfleet server?): {str(detail)[:500]}")

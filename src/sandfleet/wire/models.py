@@ -36,6 +36,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxState",
     "WireModel",
+    "WireResponse",
 ]
 
 Kind = Literal["fncall", "container", "microvm", "vm"]
@@ -67,7 +68,15 @@ B64Bytes = Annotated[
 
 
 class WireModel(BaseModel):
+    """Requests: unknown fields are an error, so a typo never passes silently."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class WireResponse(BaseModel):
+    """Answers: unknown fields are ignored, so older clients read newer servers."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 # --------------------------------------------------------------------------- sandboxes
@@ -96,7 +105,7 @@ class NodeCreateRequest(CreateSandboxRequest):
     id: str
 
 
-class SandboxInfo(WireModel):
+class SandboxInfo(WireResponse):
     """A sandbox as the control plane records it."""
 
     id: str
@@ -134,7 +143,7 @@ class ExecRequest(WireModel):
     )
 
 
-class ExecResult(WireModel):
+class ExecResult(WireResponse):
     """How a command ended.
 
     ``status`` is ``exited`` (see ``exit_code``), ``signaled`` (see ``signal``),
@@ -170,7 +179,7 @@ class ExecResult(WireModel):
 # --------------------------------------------------------------------------- files
 
 
-class FileEntry(WireModel):
+class FileEntry(WireResponse):
     """One directory entry or ``stat`` answer. ``size`` in bytes, ``mtime`` Unix seconds."""
 
     name: str
@@ -184,7 +193,7 @@ class FileEntry(WireModel):
 # --------------------------------------------------------------------------- images
 
 
-class LayerDescriptor(WireModel):
+class LayerDescriptor(WireResponse):
     """One EROFS layer: content-addressed by the sha256 of its file."""
 
     digest: str = Field(description="'sha256:<hex>' of the EROFS file.")
@@ -192,14 +201,14 @@ class LayerDescriptor(WireModel):
     kind: LayerKind
 
 
-class ImageConfig(WireModel):
+class ImageConfig(WireResponse):
     """Defaults an image gives every exec."""
 
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
 
 
-class ImageManifest(WireModel):
+class ImageManifest(WireResponse):
     """A named, versioned stack of layers, bottom layer first."""
 
     name: str
@@ -244,7 +253,7 @@ class NodeHeartbeat(WireModel):
     cpu_reserved: float
 
 
-class NodeInfo(WireModel):
+class NodeInfo(WireResponse):
     """A node as the control plane sees it."""
 
     node_id: str

@@ -39,7 +39,7 @@ from sandfleet.backends.base import BoxHandle, SandboxSpec
 from sandfleet.backends.container.bundle import oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
 from sandfleet.backends.container.layers import LayerCache
-from sandfleet.backends.container.netns import ensure_loopback_up
+from sandfleet.backends.container.netns import ensure_loopback_up_async
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
 from sandfleet.wire.errors import (
     AlreadyExists,
@@ -238,12 +238,15 @@ class ContainerBackend:
                 return await self._start(spec, box)
             except BaseException as e:
                 tail = _tail(bundle / "log")
-                with contextlib.suppress(Exception):
+                cleanup = ""
+                try:
                     await self._teardown(box)
-                if isinstance(e, SandfleetError) and not isinstance(e, Internal):
+                except Exception as te:  # reported with the original error
+                    cleanup = f"\ncleanup failed too: {te}"
+                if isinstance(e, SandfleetError) and not isinstance(e, Internal) and not cleanup:
                     raise
                 if isinstance(e, Exception):
-                    msg = f"creating sandbox {spec.id} failed: {e}"
+                    msg = f"creating sandbox {spec.id} failed: {e}{cleanup}"
                     if tail:
                         msg += f"\n--- log tail ---\n{tail}"
                     raise Internal(msg) from e
@@ -285,9 +288,16 @@ class ContainerBackend:
             raise Internal(f"runc run exited with status {rc}")
         box.pid = int((bundle / "pid").read_text())
         box.pidfd = _open_pidfd(box.pid, cg_path)
-        ensure_loopback_up(box.pid)
         sock = bundle / "run" / "agent.sock"
-        await self._wait_agent(sock, box.pidfd)
+        # The loopback guard runs in its own thread while the agent starts.
+        lo = asyncio.ensure_future(ensure_loopback_up_async(box.pid))
+        try:
+            await self._wait_agent(sock, box.pidfd)
+        finally:
+            await asyncio.wait({lo})
+            lo_err = lo.exception()  # retrieved even when the agent failed first
+        if lo_err is not None:
+            raise lo_err
         box.handle = BoxHandle(
             id=spec.id,
             agent_socket=sock,
@@ -391,7 +401,11 @@ class ContainerBackend:
         if box.pidfd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(box.pidfd, signal.SIGKILL)
-            await _wait_fd(box.pidfd, 1.0)
+            if await _wait_fd(box.pidfd, 1.0):
+                # Reap it if it is our child (the node agent may be a child
+                # subreaper); otherwise its parent, usually PID 1, does.
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitid(os.P_PIDFD, box.pidfd, os.WEXITED | os.WNOHANG)
             os.close(box.pidfd)
             box.pidfd = None
         if (self.runc_root / box.id).exists():
@@ -451,8 +465,8 @@ class ContainerBackend:
     async def recover(self) -> list[BoxHandle]:
         """Adopt boxes that survived a restart of the node agent.
 
-        Running containers in our runc root with a bundle are adopted; stopped,
-        broken or half-created ones are destroyed. Layer mounts are re-adopted
+        Running or paused containers in our runc root with a bundle are
+        adopted; stopped, broken or half-created ones are destroyed. Layer mounts are re-adopted
         and refcounted from the adopted boxes. Returns the adopted handles.
         """
         self.layers.adopt()
@@ -468,7 +482,8 @@ class ContainerBackend:
             bundle = self.sandboxes_dir / sid
             pid = int(st.get("pid") or 0)
             pidfd = None
-            if st.get("status") == "running" and pid > 0 and bundle.is_dir():
+            # paused (frozen) boxes are alive too; only stopped/broken ones go.
+            if st.get("status") in ("running", "paused") and pid > 0 and bundle.is_dir():
                 with contextlib.suppress(OSError, Internal):
                     pidfd = _open_pidfd(pid, f"/sandfleet/{sid}")
             if pidfd is None:

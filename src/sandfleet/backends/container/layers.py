@@ -103,9 +103,14 @@ class LayerCache:
         return sorted(self._refs)
 
     def close(self) -> list[str]:
-        """Unmount every layer with no user; returns the names still in use."""
+        """Unmount every layer with no user; returns the names still in use.
+
+        A layer still stacked in some overlay mount is kept even at refcount
+        0: it belongs to a box this instance does not know (not recovered).
+        """
+        stacked = _overlay_lowers()
         for name, refs in list(self._refs.items()):
-            if refs:
+            if refs or str(self.root / name) in stacked:
                 continue
             point = self.root / name
             try:
@@ -116,3 +121,18 @@ class LayerCache:
                 point.rmdir()
             del self._refs[name]
         return sorted(self._refs)
+
+
+def _overlay_lowers() -> set[str]:
+    """Every lowerdir of every overlay mount on the node (this mount namespace)."""
+    lowers: set[str] = set()
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            _, _, post = line.partition(" - ")
+            fields = post.split()
+            if len(fields) < 3 or fields[0] != "overlay":
+                continue
+            for opt in fields[2].split(","):
+                if opt.startswith("lowerdir="):
+                    lowers.update(p.replace("\\040", " ") for p in opt[9:].split(":"))
+    return lowers

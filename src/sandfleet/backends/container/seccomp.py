@@ -44,10 +44,17 @@ _DENIED = [
 ]
 # fmt: on
 
-# personality(2) values that stay allowed (Docker's list): the default, the
-# 32-bit personality, UNAME26 and the query. ADDR_NO_RANDOMIZE and friends are
-# refused because they weaken ASLR for exploits.
-_PERSONALITY_OK = [0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF]
+# personality(2) flags that weaken ASLR or make data executable, for exploits.
+# One rule per flag: runc turns several conditions on one argument into
+# separate rules (OR), so "value not in an allow list" cannot be expressed
+# under a default-allow filter. Collateral: the query personality(0xffffffff)
+# matches every mask and gets EPERM too; PER_LINUX32 (linux32) and UNAME26 pass.
+_PERSONALITY_DENIED_FLAGS = [
+    0x0040000,  # ADDR_NO_RANDOMIZE
+    0x0100000,  # MMAP_PAGE_ZERO
+    0x0200000,  # ADDR_COMPAT_LAYOUT
+    0x0400000,  # READ_IMPLIES_EXEC
+]
 
 
 # The native ABI plus the compat ones a 64-bit kernel also accepts; a syscall
@@ -80,13 +87,15 @@ def seccomp_profile() -> dict[str, Any]:
         # clone3 passes its flags in memory a filter cannot read; ENOSYS makes
         # glibc fall back to clone, which the rule above checks.
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
-        # personality: all conditions on one argument are ANDed by libseccomp.
-        {
-            "names": ["personality"],
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": EPERM,
-            "args": [{"index": 0, "value": v, "op": "SCMP_CMP_NE"} for v in _PERSONALITY_OK],
-        },
+        *(
+            {
+                "names": ["personality"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": EPERM,
+                "args": [{"index": 0, "value": f, "valueTwo": f, "op": "SCMP_CMP_MASKED_EQ"}],
+            }
+            for f in _PERSONALITY_DENIED_FLAGS
+        ),
     ]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
