@@ -155,11 +155,11 @@ async def sh(h: BoxHandle, cmd: str | list[str], timeout_s: float = 10.0) -> Exe
 
 def test_oci_config_defaults() -> None:
     cfg = oci_config(
-        sandbox_id="x", agent_host_path="/a", run_host_dir="/r", env={"A": "1"},
+        sandbox_id="x", agent_host_path="/a", env={"A": "1"},
         memory_mb=64, cpu=0.5, pids_limit=100, cgroups_path="/sandfleet/x",
     )  # fmt: skip
     assert cfg["ociVersion"] == "1.0.2"
-    assert cfg["process"]["args"] == ["/.sandfleet/agent", "--socket", "/.sandfleet/run/agent.sock"]
+    assert cfg["process"]["args"] == ["/.sandfleet/agent", "--listen-fd", "3"]
     assert "A=1" in cfg["process"]["env"]
     caps = cfg["process"]["capabilities"]
     for key in ("bounding", "effective", "permitted"):
@@ -193,7 +193,7 @@ def test_create_exec_destroy(backend: ContainerBackend, busybox_layer: Path) -> 
         s = spec(busybox_layer, env={"GREETING": "hello world"})
         h = await backend.create(s)
         assert h.id == s.id
-        assert h.agent_socket == backend.state_dir / "sandboxes" / s.id / "run" / "agent.sock"
+        assert h.agent_socket == backend.state_dir / "sandboxes" / s.id / "agent.sock"
         r = await sh(h, 'echo ok; echo "$GREETING"; hostname')
         assert r.ok and r.stdout == f"ok\nhello world\n{s.id}\n".encode()
         await backend.destroy(s.id)

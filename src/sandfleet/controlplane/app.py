@@ -30,6 +30,14 @@ from sandfleet.wire.server import install_error_handlers, token_checker
 __all__ = ["create_app"]
 
 
+def _cp_of(request: Request) -> ControlPlane:
+    return request.app.state.cp  # type: ignore[no-any-return]
+
+
+# Module level: FastAPI resolves these string annotations in the module's globals.
+CP = Annotated[ControlPlane, Depends(_cp_of)]
+
+
 def _labels(label: list[str]) -> dict[str, str]:
     out = {}
     for item in label:
@@ -70,11 +78,6 @@ def create_app(
     install_error_handlers(app)
     api = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(api_token))])
     nodes_api = APIRouter(prefix="/v1/nodes", dependencies=[Depends(token_checker(node_token))])
-
-    def cp_of(request: Request) -> ControlPlane:
-        return request.app.state.cp  # type: ignore[no-any-return]
-
-    CP = Annotated[ControlPlane, Depends(cp_of)]
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

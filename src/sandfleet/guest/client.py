@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import errno
 import os
+import stat
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -57,6 +59,22 @@ class _Conn:
             return head[4:5], await self.reader.readexactly(n) if n else b""
 
 
+async def _open_socket_file(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the Unix socket *file* at ``path``, never through a symlink.
+
+    The connection goes through ``/proc/self/fd/N`` of an ``O_PATH|O_NOFOLLOW``
+    descriptor: that refuses a symlink planted in the socket's place and lifts
+    the 108-byte ``sun_path`` limit on deep state directories.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"{path} is not a socket")
+        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=1 << 20)
+    finally:
+        os.close(fd)
+
+
 class AgentClient:
     """Talks to one ``sandfleet-agent`` over its Unix socket.
 
@@ -87,7 +105,7 @@ class AgentClient:
     @asynccontextmanager
     async def _connect(self, op: str) -> AsyncIterator[_Conn]:
         try:
-            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
+            reader, writer = await _open_socket_file(self.socket_path)
         except FileNotFoundError as exc:
             raise Unavailable(
                 f"agent socket {self.socket_path} does not exist: the agent is not running "

@@ -9,7 +9,8 @@ Layout under ``state_dir``::
         sandbox.json           what teardown and recover need (layer names)
         upper/ work/           overlayfs writable layer, on local disk
         rootfs/                the overlay mount
-        run/                   bind-mounted at /.sandfleet/run; holds agent.sock
+        agent.sock             the agent's socket: bound here by the node, handed to
+                               the box as fd 3; no path to it exists inside the box
         log                    runc's and the agent's stdout/stderr
         pid                    runc --pid-file
 
@@ -31,12 +32,13 @@ import re
 import resource
 import shutil
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sandfleet.backends.base import BoxHandle, SandboxSpec
-from sandfleet.backends.container.bundle import oci_config
+from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
 from sandfleet.backends.container.layers import LayerCache
 from sandfleet.backends.container.netns import ensure_loopback_up_async
@@ -257,10 +259,8 @@ class ContainerBackend:
     async def _start(self, spec: SandboxSpec, box: _Box) -> BoxHandle:
         bundle = box.bundle
         bundle.mkdir(mode=0o700)
-        for sub in ("upper", "work", "rootfs", "run"):
+        for sub in ("upper", "work", "rootfs"):
             (bundle / sub).mkdir()
-        # The agent must be able to create its socket in run/ whatever its uid.
-        os.chmod(bundle / "run", 0o755)
         lowers = []
         for layer in spec.layers:
             name, point = self.layers.acquire(layer)
@@ -273,7 +273,6 @@ class ContainerBackend:
         config = oci_config(
             sandbox_id=spec.id,
             agent_host_path=str(self.agent_binary),
-            run_host_dir=str(bundle / "run"),
             env=spec.env,
             memory_mb=spec.memory_mb,
             cpu=spec.cpu,
@@ -288,7 +287,7 @@ class ContainerBackend:
             raise Internal(f"runc run exited with status {rc}")
         box.pid = int((bundle / "pid").read_text())
         box.pidfd = _open_pidfd(box.pid, cg_path)
-        sock = bundle / "run" / "agent.sock"
+        sock = bundle / "agent.sock"
         # The loopback guard runs in its own thread while the agent starts.
         lo = asyncio.ensure_future(ensure_loopback_up_async(box.pid))
         try:
@@ -324,25 +323,45 @@ class ContainerBackend:
         mount("overlay", bundle / "rootfs", "overlay", 0, opts)
 
     async def _runc_run(self, bundle: Path, sandbox_id: str) -> int:
+        listener = _bind_agent_socket(bundle)
         log_fd = os.open(
             bundle / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
         )
+        null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                self.runc, "--root", str(self.runc_root), "run", "-d",
-                "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), sandbox_id,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+            # posix_spawn, not subprocess: it can place the listener at exactly fd 3
+            # (what --preserve-fds passes on) without a preexec_fn in a threaded process.
+            pid = os.posix_spawnp(
+                self.runc,
+                [
+                    self.runc, "--root", str(self.runc_root), "run", "-d", "--preserve-fds", "1",
+                    "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), sandbox_id,
+                ],
+                os.environ,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, null_fd, 0),
+                    (os.POSIX_SPAWN_DUP2, log_fd, 1),
+                    (os.POSIX_SPAWN_DUP2, log_fd, 2),
+                    (os.POSIX_SPAWN_DUP2, listener.fileno(), AGENT_LISTEN_FD),
+                ],
             )  # fmt: skip
         finally:
             os.close(log_fd)
+            os.close(null_fd)
+            listener.close()  # the box holds it now
+        pidfd = os.pidfd_open(pid)
         try:
-            return await proc.wait()
+            await _wait_fd(pidfd, 120.0)
+            _, status = os.waitpid(pid, 0)
         except BaseException:
             # Cancelled: let runc finish so that teardown sees a consistent state.
             with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await asyncio.shield(proc.wait())
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.shield(asyncio.to_thread(os.waitpid, pid, 0))
             raise
+        finally:
+            os.close(pidfd)
+        return os.waitstatus_to_exitcode(status)
 
     async def _wait_agent(self, sock: Path, pidfd: int) -> None:
         """Wait for the agent to answer; fail at once if the box's PID 1 exits."""
@@ -495,7 +514,7 @@ class ContainerBackend:
                     box.layers.append(name)
             box.handle = BoxHandle(
                 id=sid,
-                agent_socket=bundle / "run" / "agent.sock",
+                agent_socket=bundle / "agent.sock",
                 pid=pid,
                 extra={"bundle": str(bundle), "cgroup": f"/sandfleet/{sid}", "adopted": True},
             )
@@ -518,6 +537,33 @@ class ContainerBackend:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _bind_agent_socket(bundle: Path) -> socket.socket:
+    """A listening Unix socket at ``bundle/agent.sock`` (mode 0600), not inheritable.
+
+    Bound through ``/proc/self/fd/N`` of the bundle directory, so a deep state
+    directory never hits the 108-byte ``sun_path`` limit. If ``listener``'s
+    fd were 3 already, posix_spawn's dup2 would keep its close-on-exec flag:
+    it is moved higher first.
+    """
+    dirfd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if listener.fileno() == AGENT_LISTEN_FD:
+            moved = socket.socket(fileno=os.dup(listener.fileno()))
+            listener.close()
+            listener = moved
+        os.fchmod(listener.fileno(), 0o600)
+        listener.bind(f"/proc/self/fd/{dirfd}/agent.sock")
+        os.chmod(bundle / "agent.sock", 0o600)
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.close(dirfd)
+    return listener
 
 
 def _module_available(name: str) -> bool:

@@ -14,18 +14,18 @@ from sandfleet.backends.container.seccomp import seccomp_profile
 
 __all__ = [
     "AGENT_PATH",
-    "AGENT_SOCKET",
+    "AGENT_LISTEN_FD",
     "CPU_PERIOD_US",
     "DEFAULT_CAPS",
     "MASKED_PATHS",
     "READONLY_PATHS",
-    "RUN_DIR",
     "oci_config",
 ]
 
-RUN_DIR = "/.sandfleet/run"
 AGENT_PATH = "/.sandfleet/agent"
-AGENT_SOCKET = f"{RUN_DIR}/agent.sock"
+#: The agent's listening socket arrives as this fd (``runc run --preserve-fds 1``).
+#: The node binds it outside the rootfs, so nothing inside can replace or reach it.
+AGENT_LISTEN_FD = 3
 CPU_PERIOD_US = 100_000
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -60,7 +60,6 @@ def oci_config(
     *,
     sandbox_id: str,
     agent_host_path: str,
-    run_host_dir: str,
     env: dict[str, str],
     memory_mb: int,
     cpu: float,
@@ -72,8 +71,8 @@ def oci_config(
 
     ``memory_mb`` in MiB (swap limit equal, i.e. no swap), ``cpu`` in cores
     (CFS quota over a 100 ms period), ``pids_limit`` in tasks. ``agent_host_path``
-    and ``run_host_dir`` are node paths bind-mounted at :data:`AGENT_PATH`
-    (read-only) and :data:`RUN_DIR`. Does no I/O and validates nothing: the
+    is the node path bind-mounted read-only at :data:`AGENT_PATH`; the agent
+    listens on fd :data:`AGENT_LISTEN_FD`. Does no I/O and validates nothing: the
     backend checks limits first. ``nofile`` must not exceed the caller's own
     hard RLIMIT_NOFILE: runc sets it after dropping CAP_SYS_RESOURCE.
     """
@@ -86,7 +85,7 @@ def oci_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--socket", AGENT_SOCKET],
+            "args": [AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)],
             "env": [f"{k}={v}" for k, v in environ.items()],
             "cwd": "/",
             "capabilities": {
@@ -138,12 +137,6 @@ def oci_config(
                 "type": "bind",
                 "source": agent_host_path,
                 "options": ["rbind", "ro", "nosuid", "nodev"],
-            },
-            {
-                "destination": RUN_DIR,
-                "type": "bind",
-                "source": run_host_dir,
-                "options": ["rbind", "rw", "nosuid", "nodev", "noexec"],
             },
         ],
         "linux": {
