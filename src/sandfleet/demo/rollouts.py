@@ -9,6 +9,7 @@ pytest and scores reward 1 when they pass, else 0.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,8 +80,8 @@ async def _one(
         else:
             tests = await sandbox.exec(TEST_CMD, timeout_s=300)
             reward = 1.0 if tests.ok else 0.0
-            lines = tests.stdout_text.strip().splitlines()
-            detail = lines[-1] if lines else tests.status
+            counts = re.findall(r"(\d+) (failed|passed|error)", tests.stdout_text)
+            detail = ", ".join(f"{n} {what}" for n, what in counts[-2:]) or tests.status
     return RolloutResult(
         index=index,
         patch=candidate.name,

@@ -53,4 +53,5 @@ async def heartbeat_forever(
             except httpx.HTTPError as exc:
                 log.warning("control plane at %s: %s", base, exc)
                 registered = False
-            await asyncio.sleep(interval_s)
+            # Until registered, retry soon: the control plane may just be starting.
+            await asyncio.sleep(interval_s if registered else min(interval_s, 0.5))
