@@ -23,15 +23,31 @@ def _busybox_tree(root: Path) -> None:
     busybox = shutil.which("busybox")
     if busybox is None:
         pytest.fail("busybox-static is needed: apt-get install busybox-static")
-    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "tmp", "root", "etc", "proc", "sys", "dev", "work dir"):
+    for d in (
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "tmp",
+        "root",
+        "etc",
+        "proc",
+        "sys",
+        "dev",
+        "work dir",
+    ):
         (root / d).mkdir(parents=True, exist_ok=True)
     shutil.copy(busybox, root / "bin" / "busybox")
-    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    applets = subprocess.run(
+        [busybox, "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
     for applet in applets:
         link = root / "bin" / applet
         if not link.exists():
             link.symlink_to("busybox")
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+    (root / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
+    )
     (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (root / "tmp").chmod(0o1777)
 
@@ -69,3 +85,15 @@ def deployment(tmp_path: Path, images_dir: Path) -> Iterator[LocalDeployment]:
 def assert_clean(state_dir: Path) -> None:
     left = leftovers(state_dir)
     assert not left, "left behind: " + "; ".join(left)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Root-marked tests need root; off CI they are skipped for others, in CI they must run."""
+    if os.geteuid() == 0:
+        return
+    if os.environ.get("CI"):
+        raise pytest.UsageError("CI runs the root-marked tests: run the suite as root")
+    skip = pytest.mark.skip(reason="needs root (runc, mounts, cgroups); CI runs it as root")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)

@@ -80,6 +80,7 @@ def test_clear_errors(deployment: LocalDeployment) -> None:
 def test_concurrent_creates_async(deployment: LocalDeployment) -> None:
     async def main() -> None:
         async with AsyncClient(deployment.url) as client:
+
             async def one(i: int) -> bytes:
                 async with await client.create(image=BUSYBOX_IMAGE, labels={"batch": "b"}) as sb:
                     return (await sb.exec(f"echo {i}")).stdout
@@ -105,11 +106,16 @@ def test_run_one_shot_and_ttl(deployment: LocalDeployment) -> None:
 
 
 def test_isolation_inside_the_container(deployment: LocalDeployment) -> None:
-    with Client(deployment.url) as client, client.create(image=BUSYBOX_IMAGE) as a, \
-            client.create(image=BUSYBOX_IMAGE) as b:
+    with (
+        Client(deployment.url) as client,
+        client.create(image=BUSYBOX_IMAGE) as a,
+        client.create(image=BUSYBOX_IMAGE) as b,
+    ):
         links = a.exec("cat /proc/net/dev").stdout_text
         assert "lo:" in links and "eth" not in links
-        assert a.exec("wget -q -T 2 -O - http://127.0.0.1:%d/healthz" % deployment.port).exit_code != 0
+        assert (
+            a.exec(f"wget -q -T 2 -O - http://127.0.0.1:{deployment.port}/healthz").exit_code != 0
+        )
         assert a.exec(["cat", "/proc/kcore"]).exit_code != 0
         a.exec("rm /bin/sh; echo gone > /bin/sh")
         assert b.exec(["/bin/sh", "-c", "echo still here"]).stdout == b"still here\n"

@@ -15,8 +15,15 @@ from sandfleet.wire.models import ExecResult, NodeCapacity, NodeInfo, SandboxInf
 
 def sandbox(i: int, **kw: object) -> SandboxInfo:
     args: dict[str, object] = dict(
-        id=new_sandbox_id("n1"), kind="container", node_id="n1", state="running",
-        image="img:1", cpu=1.0, memory_mb=256, pids_limit=64, labels={"job": f"j{i % 2}"},
+        id=new_sandbox_id("n1"),
+        kind="container",
+        node_id="n1",
+        state="running",
+        image="img:1",
+        cpu=1.0,
+        memory_mb=256,
+        pids_limit=64,
+        labels={"job": f"j{i % 2}"},
     )
     args.update(kw)
     return SandboxInfo(**args)  # type: ignore[arg-type]
@@ -32,8 +39,14 @@ def test_store_round_trip_labels_and_ttl(tmp_path: Path) -> None:
     assert [b.id for b in store.expired_sandboxes(time.time())] == [boxes[0].id]
     store.set_sandbox_state(boxes[0].id, "destroyed")
     assert boxes[0].id not in {b.id for b in store.list_sandboxes()}
-    store.put_node(NodeInfo(node_id="n1", address="http://x", kinds=["container"],
-                            capacity=NodeCapacity(max_sandboxes=1, cpu=1, memory_mb=1)))
+    store.put_node(
+        NodeInfo(
+            node_id="n1",
+            address="http://x",
+            kinds=["container"],
+            capacity=NodeCapacity(max_sandboxes=1, cpu=1, memory_mb=1),
+        )
+    )
     store.close()
     reopened = SqlStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     assert reopened.get_node("n1") is not None
@@ -51,9 +64,15 @@ def test_sandbox_ids_name_their_node() -> None:
 
 
 def test_errors_cross_the_wire_by_code() -> None:
-    for cls in (errors.NotFound, errors.InvalidArgument, errors.ResourceExhausted,
-                errors.FailedPrecondition, errors.Unavailable, errors.DeadlineExceeded,
-                errors.PermissionDenied):
+    for cls in (
+        errors.NotFound,
+        errors.InvalidArgument,
+        errors.ResourceExhausted,
+        errors.FailedPrecondition,
+        errors.Unavailable,
+        errors.DeadlineExceeded,
+        errors.PermissionDenied,
+    ):
         exc = cls("what to change")
         back = errors.error_from_wire(exc.to_wire(), exc.http_status)
         assert type(back) is cls and back.message == "what to change"

@@ -34,8 +34,11 @@ class Cluster:
 def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(log, "ab") as fh:
         return subprocess.Popen(
-            [sys.executable, "-m", "sandfleet.cli", *args], stdout=fh, stderr=fh,
-            stdin=subprocess.DEVNULL, env={**os.environ, "SANDFLEET_TOKEN": TOKEN, **env},
+            [sys.executable, "-m", "sandfleet.cli", *args],
+            stdout=fh,
+            stderr=fh,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "SANDFLEET_TOKEN": TOKEN, **env},
         )
 
 
@@ -56,11 +59,24 @@ def cluster(tmp_path: Path, images_dir: Path) -> Iterator[Cluster]:
     for node_id, room in (("node-a", 2), ("node-b", 50)):
         port = free_port()
         node_urls[node_id] = f"http://127.0.0.1:{port}"
-        procs.append(_start(
-            ["node", *common, "--node-id", node_id, "--control-plane", url,
-             "--port", str(port), "--max-sandboxes", str(room)],
-            tmp_path / f"{node_id}.log", slow,
-        ))
+        procs.append(
+            _start(
+                [
+                    "node",
+                    *common,
+                    "--node-id",
+                    node_id,
+                    "--control-plane",
+                    url,
+                    "--port",
+                    str(port),
+                    "--max-sandboxes",
+                    str(room),
+                ],
+                tmp_path / f"{node_id}.log",
+                slow,
+            )
+        )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -96,11 +112,19 @@ def test_full_node_refuses_and_placement_retries(cluster: Cluster) -> None:
     # Fill node-a behind the control plane's back, so its view of node-a is stale.
     direct = [f"sb-00000000000{i}-node-a" for i in range(2)]
     for sid in direct:
-        r = httpx.post(f"{node_a}/v1/sandboxes", headers=auth, timeout=60,
-                       json={"id": sid, "image": BUSYBOX_IMAGE, "memory_mb": 64})
+        r = httpx.post(
+            f"{node_a}/v1/sandboxes",
+            headers=auth,
+            timeout=60,
+            json={"id": sid, "image": BUSYBOX_IMAGE, "memory_mb": 64},
+        )
         assert r.status_code == 201, r.text
-    r = httpx.post(f"{node_a}/v1/sandboxes", headers=auth, timeout=60,
-                   json={"id": "sb-000000000009-node-a", "image": BUSYBOX_IMAGE})
+    r = httpx.post(
+        f"{node_a}/v1/sandboxes",
+        headers=auth,
+        timeout=60,
+        json={"id": "sb-000000000009-node-a", "image": BUSYBOX_IMAGE},
+    )
     assert r.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
     try:
         with Client(cluster.url) as client:
@@ -132,7 +156,9 @@ def test_spread_and_exhaustion(cluster: Cluster) -> None:
 
 
 def test_nodes_need_the_cluster_token(cluster: Cluster) -> None:
-    r = httpx.post(f"{cluster.url}/v1/nodes/register", json={}, headers={"authorization": "Bearer x"})
+    r = httpx.post(
+        f"{cluster.url}/v1/nodes/register", json={}, headers={"authorization": "Bearer x"}
+    )
     assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED"
     r = httpx.get(f"{cluster.node_urls['node-a']}/v1/sandboxes")
     assert r.status_code == 401

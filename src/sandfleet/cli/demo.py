@@ -49,8 +49,12 @@ def demo() -> None:
 @click.option("--concurrency", default=8, show_default=True)
 @click.option("--kind", default="container", show_default=True)
 def rollouts(
-    state_dir: Path | None, images_dir: Path | None, url: str | None, rollouts: int,
-    concurrency: int, kind: str,
+    state_dir: Path | None,
+    images_dir: Path | None,
+    url: str | None,
+    rollouts: int,
+    concurrency: int,
+    kind: str,
 ) -> None:
     """Run a batch of RL rollouts: patch more-itertools, run its tests, score 1 or 0."""
     from sandfleet.cli.local import LocalDeployment
@@ -63,8 +67,12 @@ def rollouts(
     ensure_demo_images(images, console)
     deployment = None if url else LocalDeployment(state / "demo", images).start()
     progress = Progress(
-        TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("reward sum {task.fields[rewards]:.0f}"), console=console,
+        TextColumn("rollouts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("reward sum {task.fields[rewards]:.0f}"),
+        console=console,
     )
 
     async def go() -> list[RolloutResult]:
@@ -77,7 +85,9 @@ def rollouts(
             progress.update(task, advance=1, rewards=total)
 
         async with AsyncClient(url or (deployment.url if deployment else None)) as client:
-            return await run_batch(client, rollouts=rollouts, concurrency=concurrency, kind=kind, on_done=done)
+            return await run_batch(
+                client, rollouts=rollouts, concurrency=concurrency, kind=kind, on_done=done
+            )
 
     start = time.perf_counter()
     try:
@@ -91,8 +101,14 @@ def rollouts(
     table = Table("rollout", "patch", "expected", "reward", "seconds", "tests")
     for r in results:
         style = "green" if r.reward == r.expected else "red"
-        table.add_row(str(r.index), r.patch, f"{r.expected:.0f}", f"[{style}]{r.reward:.0f}[/]",
-                      f"{r.seconds:.1f}", r.detail)
+        table.add_row(
+            str(r.index),
+            r.patch,
+            f"{r.expected:.0f}",
+            f"[{style}]{r.reward:.0f}[/]",
+            f"{r.seconds:.1f}",
+            r.detail,
+        )
     console.print(table)
     agree = sum(r.reward == r.expected for r in results)
     console.print(
@@ -105,4 +121,6 @@ def rollouts(
         if left:
             console.print("[red]left behind on the node:[/]\n  " + "\n  ".join(left))
             sys.exit(1)
-        console.print("node clean: no sandbox process, mount, cgroup, runc container or state dir left")
+        console.print(
+            "node clean: no sandbox process, mount, cgroup, runc container or state dir left"
+        )

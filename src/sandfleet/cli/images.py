@@ -23,27 +23,63 @@ def image() -> None:
 @click.argument("ref")
 @_state_opt
 @_images_opt
-@click.option("--debootstrap", "suite", default=None, metavar="SUITE",
-              help="Build a Debian base layer with debootstrap (e.g. bookworm).")
+@click.option(
+    "--debootstrap",
+    "suite",
+    default=None,
+    metavar="SUITE",
+    help="Build a Debian base layer with debootstrap (e.g. bookworm).",
+)
 @click.option("--package", "-p", "packages", multiple=True, help="Debian package to include.")
-@click.option("--mirror", default=None, help="Debian mirror (default: SANDFLEET_DEBIAN_MIRROR, then apt sources).")
-@click.option("--from-dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Pack a directory as a layer.")
-@click.option("--kind", type=click.Choice(["base", "toolkit", "workspace", "diff"]), default="base",
-              show_default=True, help="Layer kind for --from-dir.")
-@click.option("--workspace", "workspace_source", default=None, metavar="SOURCE",
-              help="Workspace layer from an sdist path, a PyPI requirement or a git repository.")
+@click.option(
+    "--mirror",
+    default=None,
+    help="Debian mirror (default: SANDFLEET_DEBIAN_MIRROR, then apt sources).",
+)
+@click.option(
+    "--from-dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Pack a directory as a layer.",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["base", "toolkit", "workspace", "diff"]),
+    default="base",
+    show_default=True,
+    help="Layer kind for --from-dir.",
+)
+@click.option(
+    "--workspace",
+    "workspace_source",
+    default=None,
+    metavar="SOURCE",
+    help="Workspace layer from an sdist path, a PyPI requirement or a git repository.",
+)
 def build(
-    ref: str, state_dir: Path | None, images_dir: Path | None, suite: str | None,
-    packages: tuple[str, ...], mirror: str | None, from_dir: Path | None, kind: str,
+    ref: str,
+    state_dir: Path | None,
+    images_dir: Path | None,
+    suite: str | None,
+    packages: tuple[str, ...],
+    mirror: str | None,
+    from_dir: Path | None,
+    kind: str,
     workspace_source: str | None,
 ) -> None:
     """Build the image REF (name:tag) from exactly one source."""
-    from sandfleet.images import ImageStore, build_debootstrap, build_from_directory, build_workspace
+    from sandfleet.images import (
+        ImageStore,
+        build_debootstrap,
+        build_from_directory,
+        build_workspace,
+    )
 
     chosen = [s for s in (suite, from_dir, workspace_source) if s is not None]
     if len(chosen) != 1:
-        raise InvalidArgument("give exactly one source: --debootstrap SUITE, --from-dir DIR or --workspace SOURCE")
+        raise InvalidArgument(
+            "give exactly one source: --debootstrap SUITE, --from-dir DIR or --workspace SOURCE"
+        )
     store = ImageStore(_dirs(state_dir, images_dir)[1])
     if suite is not None:
         manifest = build_debootstrap(store, ref, list(packages), suite=suite, mirror=mirror)
@@ -65,7 +101,13 @@ def ls(state_dir: Path | None, images_dir: Path | None) -> None:
 
     table = Table("image", "kind", "layers", "MiB", "source")
     for m in ImageStore(_dirs(state_dir, images_dir)[1]).list():
-        table.add_row(m.ref, m.kind, str(len(m.layers)), f"{sum(x.size for x in m.layers) / 2**20:.1f}", m.source)
+        table.add_row(
+            m.ref,
+            m.kind,
+            str(len(m.layers)),
+            f"{sum(x.size for x in m.layers) / 2**20:.1f}",
+            m.source,
+        )
     Console().print(table)
 
 

@@ -47,13 +47,27 @@ class LocalDeployment:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         cmd = [
-            sys.executable, "-m", "sandfleet.cli", "up",
-            "--state-dir", str(self.state_dir), "--images-dir", str(self.images_dir),
-            "--port", str(self.port), "--node-port", str(self.node_port),
+            sys.executable,
+            "-m",
+            "sandfleet.cli",
+            "up",
+            "--state-dir",
+            str(self.state_dir),
+            "--images-dir",
+            str(self.images_dir),
+            "--port",
+            str(self.port),
+            "--node-port",
+            str(self.node_port),
         ]
-        env = {**os.environ, "SANDFLEET_LOG_LEVEL": os.environ.get("SANDFLEET_LOG_LEVEL", "warning")}
+        env = {
+            **os.environ,
+            "SANDFLEET_LOG_LEVEL": os.environ.get("SANDFLEET_LOG_LEVEL", "warning"),
+        }
         try:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env
+            )
         finally:
             log.close()
         deadline = time.monotonic() + self._ready_timeout_s

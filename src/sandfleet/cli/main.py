@@ -15,11 +15,15 @@ from sandfleet.wire.errors import SandfleetError
 __all__ = ["main"]
 
 _state_opt = click.option(
-    "--state-dir", type=click.Path(path_type=Path), default=None,
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=None,
     help="State directory (env SANDFLEET_STATE_DIR; default /var/lib/sandfleet as root).",
 )
 _images_opt = click.option(
-    "--images-dir", type=click.Path(path_type=Path), default=None,
+    "--images-dir",
+    type=click.Path(path_type=Path),
+    default=None,
     help="Image store (env SANDFLEET_IMAGES_DIR; default <state-dir>/images).",
 )
 
@@ -60,8 +64,13 @@ def cli() -> None:
 @click.option("--max-sandboxes", default=1000, show_default=True)
 @click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
 def up(
-    state_dir: Path | None, images_dir: Path | None, host: str, port: int, node_port: int,
-    max_sandboxes: int, keep: bool,
+    state_dir: Path | None,
+    images_dir: Path | None,
+    host: str,
+    port: int,
+    node_port: int,
+    max_sandboxes: int,
+    keep: bool,
 ) -> None:
     """Run a control plane and one node agent together on embedded defaults."""
     from sandfleet.cli.serve import build_node_app, run_servers
@@ -70,10 +79,18 @@ def up(
     state, images = _dirs(state_dir, images_dir)
     token = _cluster_token(state, None)
     cp_url = f"http://{host}:{port}"
-    cp = create_app(db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token)
+    cp = create_app(
+        db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token
+    )
     node = build_node_app(
-        node_id="local", state_dir=state, images_dir=images, token=token, control_plane=cp_url,
-        advertise=f"http://{host}:{node_port}", max_sandboxes=max_sandboxes, memory_mb=None,
+        node_id="local",
+        state_dir=state,
+        images_dir=images,
+        token=token,
+        control_plane=cp_url,
+        advertise=f"http://{host}:{node_port}",
+        max_sandboxes=max_sandboxes,
+        memory_mb=None,
         destroy_on_exit=not keep,
     )
     click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
@@ -85,10 +102,18 @@ def up(
 @_images_opt
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7070, show_default=True)
-@click.option("--db", default=None, help="SQLAlchemy URL of the store (default SQLite in state dir).")
-@click.option("--token", default=None, help="Cluster token nodes must present (env SANDFLEET_TOKEN).")
+@click.option(
+    "--db", default=None, help="SQLAlchemy URL of the store (default SQLite in state dir)."
+)
+@click.option(
+    "--token", default=None, help="Cluster token nodes must present (env SANDFLEET_TOKEN)."
+)
 def controlplane(
-    state_dir: Path | None, images_dir: Path | None, host: str, port: int, db: str | None,
+    state_dir: Path | None,
+    images_dir: Path | None,
+    host: str,
+    port: int,
+    db: str | None,
     token: str | None,
 ) -> None:
     """Run the control plane alone."""
@@ -98,7 +123,8 @@ def controlplane(
     state, images = _dirs(state_dir, images_dir)
     state.mkdir(parents=True, exist_ok=True)
     app = create_app(
-        db_url=db or f"sqlite:///{state / 'controlplane.db'}", images_dir=images,
+        db_url=db or f"sqlite:///{state / 'controlplane.db'}",
+        images_dir=images,
         node_token=_cluster_token(state, token),
     )
     run_servers([(app, host, port)])
@@ -116,8 +142,15 @@ def controlplane(
 @click.option("--max-sandboxes", default=1000, show_default=True)
 @click.option("--memory-mb", default=None, type=int, help="Memory to admit (MiB).")
 def node(
-    state_dir: Path | None, images_dir: Path | None, node_id: str, control_plane: str,
-    token: str | None, host: str, port: int, advertise: str | None, max_sandboxes: int,
+    state_dir: Path | None,
+    images_dir: Path | None,
+    node_id: str,
+    control_plane: str,
+    token: str | None,
+    host: str,
+    port: int,
+    advertise: str | None,
+    max_sandboxes: int,
     memory_mb: int | None,
 ) -> None:
     """Run a node agent that registers with a control plane."""
@@ -125,10 +158,15 @@ def node(
 
     state, images = _dirs(state_dir, images_dir)
     app = build_node_app(
-        node_id=node_id, state_dir=state, images_dir=images,
-        token=_cluster_token(state, token), control_plane=control_plane,
-        advertise=advertise or f"http://{host}:{port}", max_sandboxes=max_sandboxes,
-        memory_mb=memory_mb, destroy_on_exit=False,
+        node_id=node_id,
+        state_dir=state,
+        images_dir=images,
+        token=_cluster_token(state, token),
+        control_plane=control_plane,
+        advertise=advertise or f"http://{host}:{port}",
+        max_sandboxes=max_sandboxes,
+        memory_mb=memory_mb,
+        destroy_on_exit=False,
     )
     run_servers([(app, host, port)])
 
@@ -143,4 +181,3 @@ def main() -> None:
     except SandfleetError as exc:
         click.echo(f"error ({exc.code}): {exc.message}", err=True)
         sys.exit(2)
-

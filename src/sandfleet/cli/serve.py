@@ -44,8 +44,13 @@ def run_servers(apps: list[tuple[object, str, int]]) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+
+        def stop_all() -> None:
+            for s in servers:
+                s.should_exit = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in servers])
+            loop.add_signal_handler(sig, stop_all)
         await asyncio.gather(*(s.serve() for s in servers))
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -85,7 +90,7 @@ def build_node_app(
     registration = NodeRegistration(
         node_id=node_id,
         address=advertise,
-        kinds=sorted(backends),  # type: ignore[arg-type]
+        kinds=sorted(backends),
         capacity=capacity,
         capabilities={k: b.capabilities() for k, b in backends.items()},
     )

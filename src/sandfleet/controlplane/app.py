@@ -10,7 +10,13 @@ from typing import Annotated
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
 from sandfleet.controlplane.service import ControlPlane
 from sandfleet.controlplane.store import SqlStore
@@ -31,7 +37,8 @@ __all__ = ["create_app"]
 
 
 def _cp_of(request: Request) -> ControlPlane:
-    return request.app.state.cp  # type: ignore[no-any-return]
+    cp: ControlPlane = request.app.state.cp
+    return cp
 
 
 # Module level: FastAPI resolves these string annotations in the module's globals.
@@ -58,9 +65,12 @@ def create_app(
     callers.
     """
     registry = CollectorRegistry()
-    created = Counter("sandfleet_sandboxes_created", "Sandboxes created", ["kind"], registry=registry)
+    created = Counter(
+        "sandfleet_sandboxes_created", "Sandboxes created", ["kind"], registry=registry
+    )
     refusals = Gauge(
-        "sandfleet_placement_refusals", "Creates a node refused and placement retried elsewhere",
+        "sandfleet_placement_refusals",
+        "Creates a node refused and placement retried elsewhere",
         registry=registry,
     )
     execs = Counter("sandfleet_execs", "Commands run", ["status"], registry=registry)
@@ -113,7 +123,8 @@ def create_app(
 
     @api.get("/sandboxes")
     async def list_sandboxes(
-        cp: CP, label: Annotated[list[str], Query()] = []  # noqa: B006 - FastAPI idiom
+        cp: CP,
+        label: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI idiom
     ) -> dict[str, list[SandboxInfo]]:
         return {"sandboxes": cp.list(_labels(label))}
 
@@ -129,7 +140,10 @@ def create_app(
     @api.post("/sandboxes/{sandbox_id}/exec")
     async def exec_(sandbox_id: str, req: ExecRequest, cp: CP) -> Response:
         async with cp.forward(
-            sandbox_id, "POST", "/exec", timeout_s=req.timeout_s + 5,
+            sandbox_id,
+            "POST",
+            "/exec",
+            timeout_s=req.timeout_s + 5,
             json=req.model_dump(mode="json"),
         ) as resp:
             body = await resp.aread()
@@ -153,18 +167,28 @@ def create_app(
         return StreamingResponse(body(), media_type="application/octet-stream")
 
     @api.put("/sandboxes/{sandbox_id}/files/content")
-    async def upload(sandbox_id: str, path: str, request: Request, cp: CP, mode: int = 0o644) -> Response:
+    async def upload(
+        sandbox_id: str, path: str, request: Request, cp: CP, mode: int = 0o644
+    ) -> Response:
         async with cp.forward(
-            sandbox_id, "PUT", "/files/content", params={"path": path, "mode": mode},
-            content=request.stream(), timeout_s=600,
+            sandbox_id,
+            "PUT",
+            "/files/content",
+            params={"path": path, "mode": mode},
+            content=request.stream(),
+            timeout_s=600,
         ) as resp:
             body = await resp.aread()
         return Response(body, media_type="application/json")
 
-    async def _simple(sandbox_id: str, method: str, suffix: str, cp: ControlPlane, **params: object) -> Response:
+    async def _simple(
+        sandbox_id: str, method: str, suffix: str, cp: ControlPlane, **params: object
+    ) -> Response:
         async with cp.forward(sandbox_id, method, suffix, params=params) as resp:
             body = await resp.aread()
-            return Response(body or None, status_code=resp.status_code, media_type="application/json")
+            return Response(
+                body or None, status_code=resp.status_code, media_type="application/json"
+            )
 
     @api.get("/sandboxes/{sandbox_id}/files/list")
     async def list_dir(sandbox_id: str, path: str, cp: CP) -> Response:

@@ -14,6 +14,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from sandfleet.controlplane.ids import new_sandbox_id, node_of, validate_node_id
 from sandfleet.controlplane.nodeclient import NodeClients
@@ -233,7 +236,10 @@ class ControlPlane:
         try:
             body = NodeCreateRequest(id=sandbox_id, **req.model_dump())
             resp = await self.nodes.call(
-                node.address, "POST", "/v1/sandboxes", json=body.model_dump(mode="json"),
+                node.address,
+                "POST",
+                "/v1/sandboxes",
+                json=body.model_dump(mode="json"),
                 timeout_s=120.0,
             )
             load = NodeHeartbeat.model_validate(resp.json()["load"])
@@ -262,10 +268,10 @@ class ControlPlane:
     async def destroy(self, sandbox_id: str) -> None:
         info = self.get(sandbox_id)
         self.store.set_sandbox_state(sandbox_id, "destroying")
-        try:
-            await self.nodes.call(self._node_address(info.node_id), "DELETE", f"/v1/sandboxes/{sandbox_id}")
-        except NotFound:
-            pass  # the node no longer has it: the record is all that is left
+        address = self._node_address(info.node_id)
+        # NotFound: the node no longer has it, so the record is all that is left.
+        with contextlib.suppress(NotFound):
+            await self.nodes.call(address, "DELETE", f"/v1/sandboxes/{sandbox_id}")
         self.store.set_sandbox_state(sandbox_id, "destroyed")
 
     # ------------------------------------------------------------------ data plane
@@ -276,11 +282,20 @@ class ControlPlane:
 
     @contextlib.asynccontextmanager
     async def forward(
-        self, sandbox_id: str, method: str, suffix: str, timeout_s: float | None = None, **kw: object
-    ) -> AsyncIterator[object]:
+        self,
+        sandbox_id: str,
+        method: str,
+        suffix: str,
+        timeout_s: float | None = None,
+        **kw: Any,
+    ) -> AsyncIterator[httpx.Response]:
+        """Send a call for ``sandbox_id`` to its node; yields the unread response."""
         async with self.nodes.stream(
-            self.route(sandbox_id), method, f"/v1/sandboxes/{sandbox_id}{suffix}",
-            timeout_s=timeout_s, **kw,  # type: ignore[arg-type]
+            self.route(sandbox_id),
+            method,
+            f"/v1/sandboxes/{sandbox_id}{suffix}",
+            timeout_s=timeout_s,
+            **kw,
         ) as resp:
             yield resp
 

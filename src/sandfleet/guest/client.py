@@ -7,8 +7,8 @@ are independent: a hung command never delays a ping or a file read.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import errno
+import inspect
 import os
 import stat
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable

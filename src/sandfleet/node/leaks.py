@@ -55,6 +55,7 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     ``only`` limits the check to those sandbox ids (for tests running beside
     other sandboxes); None checks everything.
     """
+
     def mine(name: str) -> bool:
         return only is None or any(i in name for i in only)
 
@@ -70,7 +71,9 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
             continue
         out = subprocess.run(
             ["runc", "--root", str(runc_root), "list", "--format", "json"],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.strip()
         for c in json.loads(out or "null") or []:
             if mine(c["id"]):

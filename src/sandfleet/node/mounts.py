@@ -20,11 +20,19 @@ MS_NODEV = 0x4
 MNT_DETACH = 0x2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
-def mount(source: str | Path, target: str | Path, fstype: str, flags: int = 0, data: str = "") -> None:
+def mount(
+    source: str | Path, target: str | Path, fstype: str, flags: int = 0, data: str = ""
+) -> None:
     """mount(2). Raises ``OSError`` with the kernel's errno and the arguments."""
     rc = _libc.mount(
         os.fsencode(source), os.fsencode(target), fstype.encode(), flags, data.encode() or None

@@ -38,7 +38,9 @@ async def heartbeat_forever(
         while True:
             try:
                 if not registered:
-                    r = await http.post(f"{base}/v1/nodes/register", json=registration.model_dump(mode="json"))
+                    r = await http.post(
+                        f"{base}/v1/nodes/register", json=registration.model_dump(mode="json")
+                    )
                     r.raise_for_status()
                     registered = True
                     log.info("registered with the control plane at %s", base)

@@ -101,9 +101,7 @@ class NodeService:
                 raise AlreadyExists(f"sandbox {req.id} exists on node {self.node_id}")
             load = self.load()
             if load.sandboxes >= self.capacity.max_sandboxes:
-                raise ResourceExhausted(
-                    f"node {self.node_id} is full ({load.sandboxes} sandboxes)"
-                )
+                raise ResourceExhausted(f"node {self.node_id} is full ({load.sandboxes} sandboxes)")
             if load.memory_mb_reserved + req.memory_mb > self.capacity.memory_mb:
                 raise ResourceExhausted(
                     f"node {self.node_id} has {self.capacity.memory_mb - load.memory_mb_reserved}"
@@ -161,14 +159,18 @@ class NodeService:
     async def close(self, destroy_all: bool = False) -> None:
         """Stop serving; with ``destroy_all`` every box is destroyed first."""
         if destroy_all:
-            await asyncio.gather(*(self.destroy(i) for i in list(self._boxes)), return_exceptions=True)
+            await asyncio.gather(
+                *(self.destroy(i) for i in list(self._boxes)), return_exceptions=True
+            )
         for backend in self.backends.values():
             await backend.close()
 
     def _write_meta(self, req: NodeCreateRequest, config: ImageConfig) -> None:
         tmp = self._meta_dir / f".{req.id}.tmp"
         tmp.write_text(
-            json.dumps({"request": req.model_dump(mode="json"), "config": config.model_dump(mode="json")})
+            json.dumps(
+                {"request": req.model_dump(mode="json"), "config": config.model_dump(mode="json")}
+            )
         )
         os.replace(tmp, self._meta_dir / f"{req.id}.json")
 

@@ -144,4 +144,5 @@ def error_from_wire(body: Any, http_status: int) -> SandfleetError:
     by_status = {c.http_status: c for c in _BY_CODE.values() if c is not Internal}
     cls = by_status.get(http_status, Internal)
     detail = body.get("detail", body) if isinstance(body, dict) else body
-    return cls(f"unexpected answer (HTTP {http_status}; is the URL a sandfleet server?): {str(detail)[:500]}")
+    hint = "is the URL a sandfleet server?"
+    return cls(f"unexpected answer (HTTP {http_status}; {hint}): {str(detail)[:500]}")

@@ -63,7 +63,9 @@ def _b64_validate(value: Any) -> bytes:
 B64Bytes = Annotated[
     bytes,
     PlainValidator(_b64_validate),
-    PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
+    PlainSerializer(
+        lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"
+    ),
 ]
 
 

@@ -13,8 +13,8 @@ from typing import Any
 from sandfleet.backends.container.seccomp import seccomp_profile
 
 __all__ = [
-    "AGENT_PATH",
     "AGENT_LISTEN_FD",
+    "AGENT_PATH",
     "CPU_PERIOD_US",
     "DEFAULT_CAPS",
     "MASKED_PATHS",

@@ -79,13 +79,17 @@ class SqlStore:
             "doc": sandbox.model_dump_json(),
         }
         with self._engine.begin() as c:
-            res = c.execute(sa.update(_sandboxes).where(_sandboxes.c.id == sandbox.id).values(**values))
+            res = c.execute(
+                sa.update(_sandboxes).where(_sandboxes.c.id == sandbox.id).values(**values)
+            )
             if res.rowcount == 0:
                 c.execute(sa.insert(_sandboxes).values(id=sandbox.id, **values))
 
     def get_sandbox(self, sandbox_id: str) -> SandboxInfo | None:
         with self._engine.connect() as c:
-            row = c.execute(sa.select(_sandboxes.c.doc).where(_sandboxes.c.id == sandbox_id)).first()
+            row = c.execute(
+                sa.select(_sandboxes.c.doc).where(_sandboxes.c.id == sandbox_id)
+            ).first()
         return SandboxInfo.model_validate_json(row[0]) if row else None
 
     def set_sandbox_state(self, sandbox_id: str, state: SandboxState) -> None:
