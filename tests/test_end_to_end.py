@@ -77,19 +77,35 @@ def test_clear_errors(deployment: LocalDeployment) -> None:
             sb.exec("pwd", cwd="/no/such/dir")
 
 
-def test_concurrent_creates_async(deployment: LocalDeployment) -> None:
+def test_burst_of_100_creates_async(deployment: LocalDeployment) -> None:
+    """CASES K9: 100 creates at once; each succeeds or fails retryably; nothing is left."""
+
     async def main() -> None:
         async with AsyncClient(deployment.url) as client:
 
-            async def one(i: int) -> bytes:
-                async with await client.create(image=BUSYBOX_IMAGE, labels={"batch": "b"}) as sb:
+            async def one(i: int) -> bytes | None:
+                try:
+                    sb = await client.create(image=BUSYBOX_IMAGE, memory_mb=64, labels={"b": "1"})
+                except errors.SandfleetError as exc:
+                    assert exc.retryable, exc
+                    return None
+                async with sb:
                     return (await sb.exec(f"echo {i}")).stdout
 
-            outs = await asyncio.gather(*(one(i) for i in range(16)))
-            assert outs == [f"{i}\n".encode() for i in range(16)]
-            assert await client.list(labels={"batch": "b"}) == []
+            outs = await asyncio.gather(*(one(i) for i in range(100)))
+            done = [(i, o) for i, o in enumerate(outs) if o is not None]
+            assert len(done) >= 90
+            assert all(o == f"{i}\n".encode() for i, o in done)
+            assert await client.list(labels={"b": "1"}) == []
 
     asyncio.run(main())
+
+
+def test_oom_is_reported_and_the_sandbox_survives(deployment: LocalDeployment) -> None:
+    with Client(deployment.url) as client, client.create(image=BUSYBOX_IMAGE, memory_mb=64) as sb:
+        hog = sb.exec("dd if=/dev/zero of=/dev/null bs=160M count=1", timeout_s=30)
+        assert hog.status == "oom", hog
+        assert sb.exec("echo alive").stdout == b"alive\n"
 
 
 def test_run_one_shot_and_ttl(deployment: LocalDeployment) -> None:

@@ -7,6 +7,7 @@ they all talk to real servers over HTTP.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,6 +40,8 @@ class LocalDeployment:
         self.port = free_port()
         self.node_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # A node id of its own, so leak checks tell its sandboxes from any others on the host.
+        self.node_id = f"local-{secrets.token_hex(3)}"
         self.log_path = state_dir / "up.log"
         self._ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
@@ -59,6 +62,8 @@ class LocalDeployment:
             str(self.port),
             "--node-port",
             str(self.node_port),
+            "--node-id",
+            self.node_id,
         ]
         env = {
             **os.environ,

@@ -62,6 +62,7 @@ def cli() -> None:
 @click.option("--port", default=7070, show_default=True, help="Control plane port.")
 @click.option("--node-port", default=7071, show_default=True, help="Node agent port.")
 @click.option("--max-sandboxes", default=1000, show_default=True)
+@click.option("--node-id", default="local", show_default=True, help="The node agent's id.")
 @click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
 def up(
     state_dir: Path | None,
@@ -70,6 +71,7 @@ def up(
     port: int,
     node_port: int,
     max_sandboxes: int,
+    node_id: str,
     keep: bool,
 ) -> None:
     """Run a control plane and one node agent together on embedded defaults."""
@@ -83,7 +85,7 @@ def up(
         db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token
     )
     node = build_node_app(
-        node_id="local",
+        node_id=node_id,
         state_dir=state,
         images_dir=images,
         token=token,

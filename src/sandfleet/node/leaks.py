@@ -2,8 +2,9 @@
 
 Looks for every trace a sandbox can leave on a host: its state directory,
 mounts (other than the node-wide shared layer mounts), cgroups in any v1
-controller or the v2 tree, runc containers, processes running the in-sandbox
-agent, and network namespaces held by such processes.
+controller or the v2 tree, runc containers, and processes still running in a
+sandbox's root (a network namespace of a sandbox lives only as long as one of
+those, or a mount, holds it).
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ def _cgroup_dirs() -> list[Path]:
     return found
 
 
-def _agent_pids(state_dir: Path) -> list[int]:
+def _box_pids(state_dir: Path) -> list[int]:
+    """Processes whose root directory is a sandbox rootfs under ``state_dir``."""
+    base = str(state_dir.resolve()) + "/"
     pids = []
-    marker = b"sandfleet-agent"
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            root = os.readlink(entry / "root")
         except OSError:
             continue
-        if marker in cmdline or b"/.sandfleet/agent" in cmdline:
+        if root.startswith(base):
             pids.append(int(entry.name))
     return pids
 
@@ -59,13 +61,20 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     def mine(name: str) -> bool:
         return only is None or any(i in name for i in only)
 
+    # Sandbox ids end with their node's id; node state lives in <state_dir>/nodes/<id>.
+    nodes_dir = state_dir / "nodes"
+    node_ids = [p.name for p in nodes_dir.iterdir()] if nodes_dir.is_dir() else []
     found: list[str] = []
     for sandboxes in state_dir.glob("**/sandboxes"):
         found += [f"state dir {p}" for p in sandboxes.iterdir() if mine(p.name)]
     for point in mounts_under(state_dir):
         if "/layers/" not in point and mine(point):
             found.append(f"mount {point}")
-    found += [f"cgroup {p}" for p in _cgroup_dirs() if mine(p.name)]
+    found += [
+        f"cgroup {p}"
+        for p in _cgroup_dirs()
+        if mine(p.name) and any(p.name.endswith(f"-{n}") for n in node_ids)
+    ]
     for runc_root in state_dir.glob("**/runc"):
         if not runc_root.is_dir():
             continue
@@ -79,5 +88,5 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
             if mine(c["id"]):
                 found.append(f"runc container {c['id']} ({c['status']})")
     if only is None:
-        found += [f"agent process {pid}" for pid in _agent_pids(state_dir) if pid != os.getpid()]
+        found += [f"process {pid} inside a sandbox rootfs" for pid in _box_pids(state_dir)]
     return found
