@@ -17,20 +17,22 @@ if missing). Every figure is wall-clock time from ``time.perf_counter`` or a
    ``Client``, ``AsyncClient``, the node agent's HTTP API directly (no control
    plane) and ``AgentClient`` on the box's Unix socket (no HTTP at all), plus the
    agent's own ``duration_s`` (fork/exec/wait inside the box).
-4. Idle memory: the sandboxes of step 2's second half (memory_mb=64) left idle;
-   (MemTotal - MemAvailable) after - before, divided by the count, both sides the
-   median of 5 samples taken after ``sync; echo 3 > /proc/sys/vm/drop_caches``
-   and a settle pause (``--no-drop-caches`` skips the drop). Also: the sum of
-   RSS and PSS of the processes in the boxes' cgroups / count, the delta of
-   Slab + PageTables + KernelStack / count, and the mean cgroup memory charge.
-   The host-wide figures include whatever else runs on the host meanwhile.
+4. Idle memory, measured last (dropping caches would slow what follows): N
+   sandboxes (memory_mb=64) created and left idle; (MemTotal - MemAvailable)
+   after - before, divided by N, both sides the median of 5 samples taken after
+   ``sync; echo 3 > /proc/sys/vm/drop_caches`` and a 2 s pause
+   (``--no-drop-caches`` skips the drop). Also: the sum of RSS and PSS of the
+   processes in the boxes' cgroups / N, the delta of Slab + PageTables +
+   KernelStack / N, and the mean memory cgroup charge. The host-wide figures
+   include whatever else runs on the host meanwhile; a third sample after
+   destroying them all shows that noise.
 5. Baseline without sandfleet: the same layers under a fresh overlay of our
    own, a copy of a sandbox's config.json with args ``/bin/sleep infinity``,
    then ``runc run -d`` and ``runc exec <id> true`` timed as subprocesses.
 
 Run as root: ``python benchmarks/bench_containers.py [--images-dir DIR] [--quick]``.
 Everything created is destroyed, also on Ctrl-C or an error, and the run ends
-with ``sandfleet.node.leaks.leftovers`` restricted to this run's sandbox ids.
+with ``sandfleet.node.leaks.leftovers(state_dir)`` (scoped to this deployment's node).
 Writes nothing but stdout.
 """
 
@@ -184,9 +186,10 @@ class Bench:
         self.drop_caches = drop_caches
         self.console = Console()
         self.dep = LocalDeployment(state, images)
-        self.node_dir = state / "nodes" / "local" / "container"
+        self.node_dir = state / "nodes" / self.dep.node_id / "container"
         self.ids: set[str] = set()  # every sandbox this run created (for the leak check)
-        self.runc_root = state / "bench" / "runc"  # named runc: leaks.leftovers scans **/runc
+        # Named so that leaks.leftovers covers them: it scans **/runc and **/sandboxes.
+        self.runc_root = state / "bench" / "runc"
         self.runc_boxes: dict[str, Path] = {}
         # summary rows: what, value, goal, method
         self.rows: list[tuple[str, str, str, str]] = []
@@ -300,7 +303,26 @@ class Bench:
             )
         self.console.print(t)
 
-    async def throughput_and_memory(self, client: AsyncClient) -> None:
+    async def create_many(self, client: AsyncClient, n: int, boxes: list[AsyncSandbox]) -> float:
+        """Create ``n`` sandboxes (+ first exec) on 16 workers into ``boxes``; wall seconds."""
+
+        async def make(_: int) -> None:
+            boxes.append((await self.create_first_exec(client))[2])
+
+        return await self.workers(n, 16, make)
+
+    async def destroy_many(self, boxes: list[AsyncSandbox]) -> float:
+        """Destroy ``boxes`` on 16 workers; wall seconds."""
+        queue = list(boxes)
+
+        async def kill(i: int) -> None:
+            await queue[i].destroy()
+
+        wall = await self.workers(len(queue), 16, kill)
+        boxes.clear()
+        return wall
+
+    async def throughput(self, client: AsyncClient) -> None:
         n = self.counts.sustained
         t = self.table("2. sustained creations, 16 in flight", "what", "n", "wall", "rate")
 
@@ -316,56 +338,47 @@ class Bench:
             "≥ 50/s",
             f"{n} cycles of create, exec `true`, destroy on 16 workers; n / wall",
         )
-
-        # --- idle sandboxes: memory before, create n (timed), memory after, destroy n (timed)
-        before = await asyncio.to_thread(memory_sample, self.drop_caches)
         boxes: list[AsyncSandbox] = []
-
-        async def make(_: int) -> None:
-            sb = (await self.create_first_exec(client))[2]
-            boxes.append(sb)
-
         try:
-            wall = await self.workers(n, 16, make)
-            t.add_row(
-                "create + exec `true` (no destroy)", str(n), f"{wall:.2f} s", f"{n / wall:.1f}/s"
-            )
-            self.row(
-                "creations/s, destroys excluded",
-                f"{n / wall:.1f}/s",
-                "≥ 50/s",
-                f"{n} sandboxes created (+ first exec) on 16 workers, none destroyed; n / wall",
-            )
-            await asyncio.sleep(3.0)  # let the boxes settle
-            after = await asyncio.to_thread(memory_sample, self.drop_caches)
-            self.memory(boxes, before, after)
+            wall = await self.create_many(client, n, boxes)
         finally:
-            # Destroy them all, timed; a failure here must not stop the others.
-            queue = list(boxes)
-
-            async def kill(i: int) -> None:
-                await queue[i].destroy()
-
-            wall = await self.workers(len(queue), 16, kill)
-        t.add_row("destroy", str(len(queue)), f"{wall:.2f} s", f"{len(queue) / wall:.1f}/s")
+            dwall = await self.destroy_many(boxes)
+        t.add_row("create + exec `true` (no destroy)", str(n), f"{wall:.2f} s", f"{n / wall:.1f}/s")
+        t.add_row("then destroy all", str(n), f"{dwall:.2f} s", f"{n / dwall:.1f}/s")
+        self.console.print(t)
+        self.row(
+            "creations/s, destroys excluded",
+            f"{n / wall:.1f}/s",
+            "≥ 50/s",
+            f"{n} sandboxes created (+ first exec) on 16 workers, none destroyed; n / wall",
+        )
         self.row(
             "destroys/s",
-            f"{len(queue) / wall:.1f}/s",
+            f"{n / dwall:.1f}/s",
             "—",
-            f"the {len(queue)} idle sandboxes destroyed on 16 workers; n / wall",
+            f"then those {n} destroyed on 16 workers; n / wall",
         )
-        self.console.print(t)
 
-    def memory(
-        self, boxes: list[AsyncSandbox], before: dict[str, float], after: dict[str, float]
-    ) -> None:
-        n = len(boxes)
-        pids = [p for sb in boxes for p in box_pids(sb.id)]
-        rss = sum(proc_kib(p, "status", "VmRSS") for p in pids)
-        pss = sum(proc_kib(p, "smaps_rollup", "Pss") for p in pids)
-        charge = sum(cgroup_charge(sb.id) for sb in boxes) / 1024
+    async def memory(self, client: AsyncClient) -> None:
+        """Idle sandboxes: memory before, create n, settle, after, destroy, after again."""
+        n = self.counts.sustained
+        before = await asyncio.to_thread(memory_sample, self.drop_caches)
+        boxes: list[AsyncSandbox] = []
+        try:
+            await self.create_many(client, n, boxes)
+            await asyncio.sleep(3.0)  # let the boxes settle
+            after = await asyncio.to_thread(memory_sample, self.drop_caches)
+            pids = [p for sb in boxes for p in box_pids(sb.id)]
+            rss = sum(proc_kib(p, "status", "VmRSS") for p in pids)
+            pss = sum(proc_kib(p, "smaps_rollup", "Pss") for p in pids)
+            charge = sum(cgroup_charge(sb.id) for sb in boxes) / 1024
+        finally:
+            await self.destroy_many(boxes)
+        gone = await asyncio.to_thread(memory_sample, self.drop_caches)
         host = (after["in_use"] - before["in_use"]) / n
         kernel = (after["kernel"] - before["kernel"]) / n
+        drift = gone["in_use"] - before["in_use"]
+        kdrift = gone["kernel"] - before["kernel"]
         drop = "after `sync; echo 3 > drop_caches`" if self.drop_caches else "no cache drop"
         t = self.table(
             f"4. {n} idle sandboxes (memory_mb={MEMORY_MB}), {len(pids)} processes in them",
@@ -381,8 +394,17 @@ class Bench:
             ("memory cgroup charge (usage_in_bytes / memory.current)", charge / n),
         ):
             t.add_row(what, f"{kib / 1024:.2f} MiB", f"{kib * n / 1024:.0f} MiB")
+        t.add_row(
+            "noise check: in use after destroying all - before", "", f"{drift / 1024:.0f} MiB"
+        )
+        t.add_row(
+            "noise check: kernel after destroying all - before", "", f"{kdrift / 1024:.0f} MiB"
+        )
         self.console.print(t)
-        method = f"median of 5 samples before/after, {drop}; / {n}"
+        method = (
+            f"median of 5 samples before / after, {drop}; / {n}; after destroying all "
+            f"the in-use delta was {drift / 1024:+.0f} MiB"
+        )
         self.row(
             f"host memory per idle sandbox ({n} idle)",
             f"{host / 1024:.2f} MiB",
@@ -393,7 +415,8 @@ class Bench:
             "kernel memory per idle sandbox",
             f"{kernel / 1024:.2f} MiB",
             "≤ 3 MiB",
-            f"Slab + PageTables + KernelStack delta, {method}",
+            f"Slab + PageTables + KernelStack delta, same samples (after destroying all: "
+            f"{kdrift / 1024:+.0f} MiB)",
         )
         self.row(
             "agent RSS per idle sandbox",
@@ -406,7 +429,7 @@ class Bench:
             "memory cgroup charge per idle sandbox",
             f"{charge / n / 1024:.2f} MiB",
             "—",
-            "mean memory.usage_in_bytes of the boxes' cgroups (page cache + kmem)",
+            "mean memory.usage_in_bytes of the boxes' memory cgroups",
         )
 
     async def exec_round_trips(self, client: AsyncClient) -> None:
@@ -499,9 +522,10 @@ class Bench:
         self.runc_root.mkdir(parents=True, exist_ok=True)
         mounts, runs, first_execs, execs = [], [], [], []
         for i in range(self.counts.runc_runs):
-            rid = f"bench-runc-{secrets.token_hex(6)}"
+            # ends with the node id: leaks.leftovers then checks its cgroups too
+            rid = f"runc-{secrets.token_hex(6)}-{self.dep.node_id}"
             self.ids.add(rid)
-            b = self.state / "bench" / rid
+            b = self.state / "bench" / "sandboxes" / rid
             for sub in ("upper", "work", "rootfs"):
                 (b / sub).mkdir(parents=True)
             self.runc_boxes[rid] = b
@@ -637,9 +661,10 @@ class Bench:
         async with AsyncClient(self.dep.url) as client:
             await self.warm_up(client)
             await self.latency(client)
-            await self.throughput_and_memory(client)
+            await self.throughput(client)
             await self.exec_round_trips(client)
             await self.runc_baseline(client)
+            await self.memory(client)  # last: dropping caches would slow what follows
 
     def run(self) -> None:
         self.console.print(
@@ -665,7 +690,7 @@ class Bench:
                 with contextlib.suppress(Exception):
                     c.get(info.id).destroy()
         self.dep.stop()
-        return leftovers(self.state, only=self.ids) if self.ids else leftovers(self.state)
+        return leftovers(self.state)
 
 
 def timed_sync(fn: Callable[[], Any]) -> float:
@@ -721,8 +746,10 @@ def main() -> int:
         state, args.images_dir, QUICK if args.quick else FULL, drop_caches=not args.no_drop_caches
     )
     left: list[str] = []
+    ok = False
     try:
         bench.run()
+        ok = True
     finally:
         left = bench.cleanup()
         if left:
@@ -730,10 +757,12 @@ def main() -> int:
             console.print(f"state dir kept for inspection: {state}")
         else:
             console.print(
-                f"leftovers(state_dir, only=<{len(bench.ids)} ids of this run>): none — no "
-                "sandbox process, mount, cgroup, runc container or state dir left"
+                f"leftovers(state_dir) after {len(bench.ids)} sandboxes and runc containers: "
+                "none — no sandbox process, mount, cgroup, runc container or state dir left"
             )
-            if not mounts_under(state):
+            if not ok:
+                console.print(f"the run failed; the deployment's log: {bench.dep.log_path}")
+            elif not mounts_under(state):
                 shutil.rmtree(state, ignore_errors=True)
     return 1 if left else 0
 

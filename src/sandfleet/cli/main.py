@@ -183,3 +183,23 @@ def main() -> None:
     except SandfleetError as exc:
         click.echo(f"error ({exc.code}): {exc.message}", err=True)
         sys.exit(2)
+
+
+@cli.command()
+def doctor() -> None:
+    """Report the kernel features and tools this host has, and the kinds they allow."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from sandfleet.node.doctor import kinds_offered, run_checks
+
+    checks = run_checks()
+    table = Table("check", "ok", "detail")
+    for c in checks:
+        table.add_row(c.name, "[green]yes[/]" if c.ok else "[red]no[/]", c.detail)
+    kinds = Table("kind", "on this host")
+    for kind, meaning in kinds_offered(checks).items():
+        kinds.add_row(kind, meaning)
+    console = Console()
+    console.print(table)
+    console.print(kinds)
