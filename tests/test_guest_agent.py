@@ -26,11 +26,13 @@ from sandfleet.guest.build import agent_binary
 from sandfleet.guest.client import AgentClient
 from sandfleet.wire.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
-from sandfleet.wire.models import ExecRequest
+from sandfleet.wire.models import ExecRequest, ProcessInfo, SpawnRequest
 
 T = TypeVar("T")
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -94,12 +96,22 @@ class Agent:
     workdir: Path
 
 
-def _start(env: dict[str, str] | None = None) -> Agent:
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2 :].split()[0] != b"Z"
+
+
+def _start(env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Agent:
     # short directory: Unix socket paths are limited to 107 bytes
     workdir = Path(tempfile.mkdtemp(prefix="sfa-", dir="/tmp"))
     sock = workdir / "agent.sock"
     proc = subprocess.Popen(
-        [str(agent_binary()), "--socket", str(sock), "--workdir", str(workdir)], env=env
+        [*(prefix or []), str(agent_binary()), "--socket", str(sock), "--workdir", str(workdir)],
+        env=env,
     )
     client = AgentClient(sock)
     run(client.wait_ready(5.0))
@@ -111,6 +123,7 @@ def _stop(agent: Agent) -> None:
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(10) == 0
     assert not agent.sock.exists(), "agent left its socket behind"
+    assert not Path(f"/tmp/.sandfleet-run.{agent.proc.pid}").exists(), "run dir left behind"
     leftover = [pid for pid in before if not wait_gone(pid, 2.0)]
     shutil.rmtree(agent.workdir, ignore_errors=True)
     assert not leftover, f"processes survived the agent: {leftover}"
@@ -264,19 +277,24 @@ def test_client_going_away_kills_command(agent: Agent) -> None:
         got = asyncio.Event()
 
         def on_out(chunk: bytes) -> None:
-            pids.append(int(chunk.split()[0]))
+            pids.extend(int(x) for x in chunk.split())
             got.set()
 
         task = asyncio.create_task(
-            agent.client.exec(ExecRequest(cmd="echo $$; exec sleep 30"), on_stdout=on_out)
+            agent.client.exec(
+                ExecRequest(cmd="(setsid sleep 30 & echo $!); echo $$; exec sleep 30"),
+                on_stdout=on_out,
+            )
         )
         await asyncio.wait_for(got.wait(), 5)
+        await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     run(scenario())
-    assert wait_gone(pids[0], 2.0), "command kept running after its caller left"
+    assert len(pids) == 2
+    assert all(wait_gone(pid, 2.0) for pid in pids), "a setsid grandchild outlived its caller"
 
 
 # --------------------------------------------------------------------------- K3
@@ -309,6 +327,328 @@ def test_background_job_survives_writing_after_exec_returned(agent: Agent) -> No
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.read_text() == "yes\n", "background job died writing to its stdout"
+
+
+# --------------------------------------------------------------------------- process trees
+
+
+def test_timeout_kills_escaped_and_term_ignoring_processes(agent: Agent) -> None:
+    # a setsid grandchild (own session and group), a double-forked one, and one
+    # that ignores SIGTERM: none is in the command's process group
+    cmd = (
+        "setsid sleep 100 & echo $!; "
+        "(setsid sh -c 'sleep 101 & echo $!' &); "
+        "(trap '' TERM; exec sleep 102) & echo $!; wait"
+    )
+    r = run(agent.client.exec(ExecRequest(cmd=cmd, timeout_s=1.0)))
+    assert r.status == "timeout"
+    pids = [int(x) for x in r.stdout.split()]
+    assert len(pids) == 3
+    assert all(wait_gone(pid, 1.0) for pid in pids), [p for p in pids if alive(p)]
+    assert descendants(agent.proc.pid) == {} or all(
+        not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep")
+        for pid in descendants(agent.proc.pid)
+    )
+
+
+def test_timeout_grace_sends_sigterm_first(agent: Agent) -> None:
+    # the main process handles SIGTERM; its TERM-ignoring child is SIGKILLed
+    cmd = "(trap '' TERM; exec sleep 100) & echo $!; trap 'echo got-term; exit 0' TERM; wait"
+    t0 = time.monotonic()
+    r = run(agent.client.exec(ExecRequest(cmd=cmd, timeout_s=0.5, kill_grace_ms=2000)))
+    assert r.status == "timeout" and time.monotonic() - t0 < 2.0
+    pid, said = r.stdout.split()
+    assert said == b"got-term"
+    assert wait_gone(int(pid), 1.0)
+    # nothing handles SIGTERM: SIGKILL comes at the end of the grace period
+    t0 = time.monotonic()
+    r = run(
+        agent.client.exec(
+            ExecRequest(cmd="trap '' TERM; sleep 100", timeout_s=0.3, kill_grace_ms=400)
+        )
+    )
+    elapsed = time.monotonic() - t0
+    assert r.status == "timeout" and 0.6 < elapsed < 1.5
+
+
+def test_background_server_survives_finished_exec(agent: Agent) -> None:
+    import socket
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (agent.workdir / "hello.txt").write_text("served")
+    cmd = f"{sys.executable} -m http.server --bind 127.0.0.1 {port} >/dev/null 2>&1 & echo $!"
+    r = run(agent.client.exec(ExecRequest(cmd=cmd, cwd=str(agent.workdir))))
+    assert r.ok and r.duration_s < 0.5
+    pid = int(r.stdout)
+    body = b""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/hello.txt", timeout=2) as resp:
+                body = resp.read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    assert body == b"served", "the background server died with its exec"
+    assert alive(pid) and pid in descendants(agent.proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pid, 2.0), "the agent did not reap the killed server"
+
+
+# --------------------------------------------------------------------------- users
+
+
+def test_exec_as_user(agent: Agent) -> None:
+    c = agent.client
+    r = run(
+        c.exec(ExecRequest(cmd='id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"', user="nobody"))
+    )
+    assert r.ok, r.stderr
+    assert r.stdout.decode().splitlines() == [
+        "65534",
+        "65534",
+        "65534",
+        "/nonexistent nobody nobody",
+    ]
+    r = run(c.exec(ExecRequest(cmd="id -u; id -g; echo $HOME", user="1234")))
+    assert r.stdout == b"1234\n1234\n/\n"
+    r = run(c.exec(ExecRequest(cmd="id -u; id -g; id -G", user="1234:nogroup")))
+    assert r.stdout == b"1234\n65534\n65534\n"
+    r = run(c.exec(ExecRequest(cmd="id -u; id -G", user="root")))
+    assert r.stdout == b"0\n0\n"
+    # the request's env wins over the user's
+    r = run(c.exec(ExecRequest(cmd="echo $HOME", user="nobody", env={"HOME": "/tmp"})))
+    assert r.stdout == b"/tmp\n"
+    with pytest.raises(InvalidArgument, match="user 'no-such-user' does not exist in the sandbox"):
+        run(c.exec(ExecRequest(cmd="id", user="no-such-user")))
+    with pytest.raises(InvalidArgument, match="group 'no-such-group' does not exist"):
+        run(c.exec(ExecRequest(cmd="id", user="nobody:no-such-group")))
+    info = run(c.spawn(SpawnRequest(cmd=["id", "-u"], user="nobody")))
+    assert run(c.wait_process(info.id, 5)).exit_code == 0
+    assert run(c.read_output(info.id)).data == b"65534\n"
+    run(c.remove_process(info.id))
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")
+def test_user_switch_without_cap_setuid_is_a_clear_error() -> None:
+    # what a container without CAP_SETUID/CAP_SETGID gets
+    a = _start(prefix=["setpriv", "--bounding-set=-setuid,-setgid", "--inh-caps=-all"])
+    try:
+        with pytest.raises(PermissionDenied, match="lacks CAP_SETUID"):
+            run(a.client.exec(ExecRequest(cmd="id", user="nobody")))
+        with pytest.raises(PermissionDenied, match="lacks CAP_SETUID"):
+            run(a.client.spawn(SpawnRequest(cmd="id", user="nobody")))
+        # its own user needs no capability
+        assert run(a.client.exec(ExecRequest(cmd="id -u", user="root"))).stdout == b"0\n"
+    finally:
+        _stop(a)
+
+
+# --------------------------------------------------------------------------- spawn
+
+
+def test_spawn_outlives_its_connection_and_output_reads_by_offset(agent: Agent) -> None:
+    cmd = "for i in 1 2 3; do echo $i; sleep 0.2; done; echo err >&2"
+    t0 = time.monotonic()
+    info = run(agent.client.spawn(SpawnRequest(cmd=cmd)))
+    latency = time.monotonic() - t0
+    assert latency < 0.2 and info.state == "running" and info.id.startswith("p")
+    assert info.command == cmd and alive(info.pid)
+
+    async def later() -> None:
+        fresh = AgentClient(agent.sock)  # a new client: nothing is tied to the first
+        await asyncio.sleep(0.1)
+        first = await fresh.read_output(info.id)
+        assert (first.data, first.offset, first.next_offset, first.dropped) == (b"1\n", 0, 2, 0)
+        chunks = [c async for c in fresh.follow_output(info.id, "stdout", offset=2)]
+        assert b"".join(c.data for c in chunks) == b"2\n3\n"
+        assert chunks[0].offset == 2 and chunks[-1].next_offset == 6
+        done = await fresh.wait_process(info.id, timeout_s=5)
+        assert (done.state, done.exit_code, done.signal) == ("exited", 0, None)
+        assert done.ended_at is not None and done.ended_at >= done.started_at
+        assert (done.stdout_bytes, done.stderr_bytes) == (6, 4)
+        mid = await fresh.read_output(info.id, offset=4)
+        assert (mid.data, mid.offset, mid.next_offset, mid.eof) == (b"3\n", 4, 6, True)
+        assert (await fresh.read_output(info.id, "stderr")).data == b"err\n"
+        beyond = await fresh.read_output(info.id, offset=100)
+        assert (beyond.data, beyond.next_offset) == (b"", 6)
+        # following a finished process returns what is left and ends
+        assert [c.data async for c in fresh.follow_output(info.id, offset=0)] == [b"1\n2\n3\n"]
+        await fresh.remove_process(info.id)
+        with pytest.raises(NotFound, match=info.id):
+            await fresh.read_output(info.id)
+        with pytest.raises(NotFound, match=info.id):
+            await fresh.wait_process(info.id)
+
+    run(later())
+    assert not alive(info.pid)
+
+
+def test_spawn_stdin(agent: Agent) -> None:
+    c = agent.client
+
+    async def scenario() -> None:
+        info = await c.spawn(SpawnRequest(cmd=["cat"], stdin=b"first\n"))
+        assert info.stdin_open
+        await c.write_stdin(info.id, b"second\n")
+        await c.write_stdin(info.id, os.urandom(1 << 20))  # more than a pipe holds
+        chunks = [x async for x in c.follow_output(info.id, offset=0, timeout_s=0.5)]
+        out = b"".join(x.data for x in chunks)
+        assert out.startswith(b"first\nsecond\n") and len(out) == 13 + (1 << 20)
+        assert (await c.wait_process(info.id, timeout_s=0.1)).state == "running"
+        await c.close_stdin(info.id)
+        done = await c.wait_process(info.id, timeout_s=5)
+        assert (done.state, done.exit_code, done.stdin_open) == ("exited", 0, False)
+        with pytest.raises(FailedPrecondition, match="ended"):
+            await c.write_stdin(info.id, b"late")
+        await c.remove_process(info.id)
+        # close_stdin in the request: `sort` sees EOF after the initial stdin
+        info = await c.spawn(SpawnRequest(cmd=["sort"], stdin=b"b\na\n", close_stdin=True))
+        assert (await c.wait_process(info.id, 5)).exit_code == 0
+        assert (await c.read_output(info.id)).data == b"a\nb\n"
+        with pytest.raises(FailedPrecondition):
+            await c.write_stdin(info.id, b"x")
+        await c.remove_process(info.id)
+
+    run(scenario())
+
+
+def test_spawn_kill_takes_the_whole_tree(agent: Agent) -> None:
+    c = agent.client
+    info = run(c.spawn(SpawnRequest(cmd="setsid sleep 100 & sleep 100")))
+    deadline = time.monotonic() + 5
+    tree: dict[int, str] = {}
+    while time.monotonic() < deadline and len(tree) < 2:
+        time.sleep(0.05)
+        tree = {p: s for p, s in descendants(info.pid).items() if alive(p)}
+    sleeps = [info.pid, *tree]
+    assert len(sleeps) == 3
+    with pytest.raises(FailedPrecondition, match="still running"):
+        run(c.remove_process(info.id))
+    killed = run(c.kill_process(info.id))
+    assert (killed.state, killed.signal, killed.exit_code) == ("killed", 9, None)
+    assert all(wait_gone(p, 1.0) for p in sleeps), [p for p in sleeps if alive(p)]
+    run(c.remove_process(info.id))
+
+    # SIGTERM: delivered, the process reports how it ended
+    info = run(c.spawn(SpawnRequest(cmd=["sleep", "100"])))
+    run(c.kill_process(info.id, signal=15))
+    done = run(c.wait_process(info.id, 5))
+    assert (done.state, done.signal) == ("killed", 15)
+    run(c.remove_process(info.id))
+
+    # a background job left behind by a finished process is still reachable
+    info = run(c.spawn(SpawnRequest(cmd="sleep 100 & echo $!")))
+    assert run(c.wait_process(info.id, 5)).state == "exited"
+    job = int(run(c.read_output(info.id)).data)
+    assert alive(job)
+    assert run(c.kill_process(info.id)).state == "exited"
+    assert wait_gone(job, 1.0)
+    run(c.remove_process(info.id))
+
+
+def test_spawn_timeout_and_signaled(agent: Agent) -> None:
+    c = agent.client
+    info = run(c.spawn(SpawnRequest(cmd="setsid sleep 100 & echo $!; sleep 100", timeout_s=0.5)))
+    done = run(c.wait_process(info.id, 5))
+    assert done.state == "timeout" and done.exit_code is None
+    assert 0.4 < (done.ended_at or 0) - done.started_at < 2.0
+    assert wait_gone(int(run(c.read_output(info.id)).data), 1.0)
+    info2 = run(c.spawn(SpawnRequest(cmd="kill -9 $$")))
+    assert (run(c.wait_process(info2.id, 5)).state, run(c.wait_process(info2.id)).signal) == (
+        "signaled",
+        9,
+    )
+    for i in (info, info2):
+        run(c.remove_process(i.id))
+
+
+def test_spawn_output_bound_keeps_the_newest_bytes(agent: Agent) -> None:
+    import sys
+
+    size, bound = 10 << 20, 1 << 20
+    # a non-repeating-at-1MiB pattern, so the kept window's position is checked
+    prog = f"import sys; sys.stdout.buffer.write((bytes(range(251)) * {size // 251 + 1})[:{size}])"
+    full = (bytes(range(251)) * (size // 251 + 1))[:size]
+    c = agent.client
+    info = run(c.spawn(SpawnRequest(cmd=[sys.executable, "-c", prog], max_output_bytes=bound)))
+    assert run(c.wait_process(info.id, 30)).exit_code == 0
+    out = run(c.read_output(info.id))
+    assert (out.offset, out.next_offset, out.dropped, out.eof) == (
+        size - bound,
+        size,
+        size - bound,
+        True,
+    )
+    assert out.data == full[-bound:]
+    half = run(c.read_output(info.id, offset=size - bound // 2))
+    assert (half.data, half.dropped) == (full[-bound // 2 :], 0)
+    assert run(c.list_processes())[0].stdout_bytes == size
+    run(c.remove_process(info.id))
+
+
+def test_process_list_and_errors(agent: Agent) -> None:
+    c = agent.client
+
+    async def scenario() -> None:
+        assert await c.list_processes() == []
+        done = await c.spawn(SpawnRequest(cmd=["true"]))
+        running = await c.spawn(SpawnRequest(cmd=["sleep", "100"]))
+        await c.wait_process(done.id, 5)
+        listed = {p.id: p for p in await c.list_processes()}
+        assert listed[done.id].state == "exited" and listed[running.id].state == "running"
+        assert list(listed) == [done.id, running.id]
+        assert listed[running.id].pid == running.pid
+        for bad in ("p999", "x", "../agent.sock", ""):
+            with pytest.raises(NotFound):
+                await c.wait_process(bad)
+        with pytest.raises(NotFound, match="p999"):
+            await c.kill_process("p999")
+        with pytest.raises(InvalidArgument, match="stream"):
+            await c.read_output(done.id, stream="stdin")
+        with pytest.raises(InvalidArgument, match="cwd"):
+            await c.spawn(SpawnRequest(cmd=["true"], cwd="/no/such/dir"))
+        # ids are never reused, also after a remove
+        await c.remove_process(done.id)
+        again = await c.spawn(SpawnRequest(cmd=["true"]))
+        assert int(again.id[1:]) > int(running.id[1:])
+        # a command that does not exist: exits 127 with a message, like exec
+        missing = await c.spawn(SpawnRequest(cmd=["no-such-command-xyz"]))
+        assert (await c.wait_process(missing.id, 5)).exit_code == 127
+        assert b"not found" in (await c.read_output(missing.id, "stderr")).data
+        await c.kill_process(running.id)
+        for p in await c.list_processes():
+            await c.wait_process(p.id, 5)
+            await c.remove_process(p.id)
+        assert await c.list_processes() == []
+
+    run(scenario())
+
+
+def test_finished_processes_are_bounded_and_pid1_stays_small(agent: Agent) -> None:
+    c = agent.client
+
+    async def scenario() -> list[ProcessInfo]:
+        for i in range(66):
+            info = await c.spawn(SpawnRequest(cmd=["true"]))
+            assert info.id == f"p{i + 1}"
+            await c.wait_process(info.id, 5)
+        return await c.list_processes()
+
+    before = rss_kib(agent.proc.pid)
+    listed = run(scenario())
+    # the 64 newest stay; the oldest went first
+    assert [p.id for p in listed] == [f"p{i}" for i in range(3, 67)]
+    assert all(p.state == "exited" for p in listed)
+    # supervisors are children of the agent, not part of it
+    sups = [pid for pid, (ppid, _) in procs().items() if ppid == agent.proc.pid]
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in sups}
+    assert {f"sfsup-p{i}" for i in range(3, 67)} <= names
+    assert rss_kib(agent.proc.pid) <= max(before, 200), "PID 1 grew with spawns"
 
 
 # --------------------------------------------------------------------------- K6

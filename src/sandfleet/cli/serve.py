@@ -34,6 +34,9 @@ def _config(app: object, host: str, port: int) -> uvicorn.Config:
         log_level=os.environ.get("SANDFLEET_LOG_LEVEL", "warning"),
         access_log=False,
         timeout_graceful_shutdown=10,
+        # Longer than any client's keep-alive (httpx: 5 s), so a client never sends on a
+        # connection the server is closing (a ReadError under bursts otherwise).
+        timeout_keep_alive=75,
         lifespan="on",
     )
 

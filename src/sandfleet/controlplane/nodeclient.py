@@ -23,7 +23,9 @@ class NodeClients:
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=_DEFAULT_TIMEOUT_S,
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            limits=httpx.Limits(
+                max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0
+            ),
         )
 
     async def call(

@@ -86,6 +86,7 @@ class ControlPlane:
         self.images_dir = images_dir
         self.nodes = NodeClients(token)
         self._in_flight: dict[str, _InFlight] = {}
+        self._addresses: dict[str, str] = {}
         self._rng = random.Random()
         self._reaper: asyncio.Task[None] | None = None
         #: Creates a node refused (capacity or unreachable) and placement retried elsewhere.
@@ -119,15 +120,14 @@ class ControlPlane:
                 }
             )
         self.store.put_node(info)
+        self._addresses[reg.node_id] = reg.address
         log.info("node %s registered at %s", reg.node_id, reg.address)
         return info
 
     def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeInfo:
-        node = self.store.get_node(node_id)
+        node = self.store.patch_node(node_id, {**hb.model_dump(), "last_heartbeat": time.time()})
         if node is None:
             raise NotFound(f"node {node_id!r} is not registered; register it first")
-        node = node.model_copy(update={**hb.model_dump(), "last_heartbeat": time.time()})
-        self.store.put_node(node)
         return node
 
     def list_nodes(self) -> list[NodeInfo]:
@@ -138,10 +138,15 @@ class ControlPlane:
         ]
 
     def _node_address(self, node_id: str) -> str:
-        node = self.store.get_node(node_id)
-        if node is None:
-            raise NotFound(f"node {node_id!r} is not registered (the sandbox's node is gone)")
-        return node.address
+        # Cached: the data path must not query the store per call. Registration
+        # refreshes it; an unreachable node drops it (see forward).
+        address = self._addresses.get(node_id)
+        if address is None:
+            node = self.store.get_node(node_id)
+            if node is None:
+                raise NotFound(f"node {node_id!r} is not registered (the sandbox's node is gone)")
+            address = self._addresses[node_id] = node.address
+        return address
 
     # ------------------------------------------------------------------ images
 
@@ -197,6 +202,8 @@ class ControlPlane:
             if isinstance(decision, Infeasible):
                 raise InvalidArgument(decision.reason)
             if not isinstance(decision, Placed):
+                if last_error is not None:
+                    break
                 raise ResourceExhausted(f"{decision.reason}; retry later or ask for less")
             try:
                 return await self._create_on(decision.node_id, req)
@@ -206,7 +213,7 @@ class ControlPlane:
                 last_error = exc
                 log.info("node %s refused a create: %s", decision.node_id, exc)
         raise ResourceExhausted(
-            f"{len(refused)} node(s) refused the sandbox ({last_error}); retry later"
+            f"{len(refused)} node(s) refused the sandbox (last: {last_error}); retry later"
         )
 
     async def _create_on(self, node_id: str, req: CreateSandboxRequest) -> SandboxInfo:
@@ -242,8 +249,9 @@ class ControlPlane:
                 json=body.model_dump(mode="json"),
                 timeout_s=120.0,
             )
+            # The node's load as of this create: fresher than its last heartbeat.
             load = NodeHeartbeat.model_validate(resp.json()["load"])
-            self.store.put_node(node.model_copy(update=load.model_dump()))
+            self.store.patch_node(node_id, load.model_dump())
         except BaseException:
             self.store.delete_sandbox(sandbox_id)
             raise
@@ -276,10 +284,6 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ data plane
 
-    def route(self, sandbox_id: str) -> str:
-        """The node address serving ``sandbox_id``, from the id alone (no sandbox lookup)."""
-        return self._node_address(node_of(sandbox_id))
-
     @contextlib.asynccontextmanager
     async def forward(
         self,
@@ -290,14 +294,19 @@ class ControlPlane:
         **kw: Any,
     ) -> AsyncIterator[httpx.Response]:
         """Send a call for ``sandbox_id`` to its node; yields the unread response."""
-        async with self.nodes.stream(
-            self.route(sandbox_id),
-            method,
-            f"/v1/sandboxes/{sandbox_id}{suffix}",
-            timeout_s=timeout_s,
-            **kw,
-        ) as resp:
-            yield resp
+        node_id = node_of(sandbox_id)
+        try:
+            async with self.nodes.stream(
+                self._node_address(node_id),
+                method,
+                f"/v1/sandboxes/{sandbox_id}{suffix}",
+                timeout_s=timeout_s,
+                **kw,
+            ) as resp:
+                yield resp
+        except Unavailable:
+            self._addresses.pop(node_id, None)
+            raise
 
     # ------------------------------------------------------------------ TTL
 

@@ -5,6 +5,9 @@
  * connection, reaps every child (orphans included) and drains the output
  * pipes of background jobs that outlive their command. Everything that
  * allocates runs in the forked handler, so PID 1 stays a few pages big.
+ * Spawned (background) processes each get a supervisor process that owns
+ * the process, its pipes and its output; handlers relay to it over a Unix
+ * socket in a private run directory.
  * The wire protocol is documented in protocol.py next to this file.
  */
 #define _GNU_SOURCE
@@ -12,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <grp.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -37,6 +41,9 @@
 #define PIPE_READ (64u << 10) /* one read from a command's pipe */
 #define MAX_DRAIN 256         /* background pipes PID 1 keeps draining */
 #define IDLE_TIMEOUT_S 120    /* a client silent this long mid-request is gone */
+#define MAX_FINISHED 64       /* finished spawned processes kept before the oldest go */
+#define MAX_PARK 64           /* waiting callers one supervisor serves at once */
+#define MAX_GROUPS 256        /* supplementary groups of a user */
 
 extern char **environ;
 
@@ -45,6 +52,11 @@ static sigset_t wait_mask;  /* mask while sleeping in ppoll: our signals open */
 static int handoff[2] = {-1, -1}; /* handler -> PID 1: pipe fds to keep draining */
 static const char *sock_path;
 static pid_t main_pid; /* ping reports the agent, not the handler */
+/* Supervisor sockets live here (0700, root); "" if no writable place was found. */
+static char run_dir[96];
+/* Spawn ids: one counter shared by all handlers through a MAP_SHARED page that
+ * PID 1 maps but never touches, so it costs PID 1 no RSS. */
+static uint64_t *spawn_ctr;
 
 /* Big buffers live in BSS: untouched pages cost no RSS, and only handlers touch them. */
 static uint8_t req_buf[MAX_FRAME];
@@ -76,26 +88,129 @@ static uint64_t now_ns(void)
 
 /* ------------------------------------------------------------------ exec state */
 
-/* Set while a handler runs a command: a timer firing in any wait kills its group. */
+/* The command a handler (or a supervisor) runs; reaping it records its status. */
 static pid_t cmd_pid;
+static int cmd_done, cmd_status;
 static int sock_nonblock; /* exec switches the socket to non-blocking I/O */
 static int timed_out;
+static uint64_t grace_ms;  /* SIGTERM first, SIGKILL this much later */
+static int kill_stage;     /* 0 nothing sent, 1 SIGTERM sent, 2 SIGKILL sent */
+
+static void reap_kids(void)
+{
+	int st;
+	pid_t p;
+	got_chld = 0;
+	while ((p = waitpid(-1, &st, WNOHANG)) > 0)
+		if (p == cmd_pid && cmd_pid > 0) cmd_done = 1, cmd_status = st;
+}
+
+struct pp {
+	int pid, ppid;
+};
+
+static int cmp_pp(const void *a, const void *b)
+{
+	return ((const struct pp *)a)->pid - ((const struct pp *)b)->pid;
+}
+
+static struct pp *find_pp(struct pp *t, size_t n, int pid)
+{
+	struct pp key = {pid, 0};
+	return bsearch(&key, t, n, sizeof *t, cmp_pp);
+}
+
+/* Sends `sig` to every process whose parent chain leads to us (one pass over
+ * /proc) and returns how many there were, zombies included. As a subreaper we
+ * see the whole tree: setsid(), setpgid() and double forks do not leave it. */
+static int signal_tree(int sig)
+{
+	int self = getpid(), found = 0;
+	DIR *d = opendir("/proc");
+	if (!d) return 0;
+	size_t n = 0, cap = 0;
+	struct pp *t = NULL;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		char p[64], buf[512];
+		int pid = atoi(de->d_name);
+		if (pid <= 0 || pid == self) continue;
+		snprintf(p, sizeof p, "/proc/%d/stat", pid);
+		int fd = open(p, O_RDONLY | O_CLOEXEC);
+		if (fd < 0) continue;
+		ssize_t k = read(fd, buf, sizeof buf - 1);
+		close(fd);
+		if (k <= 0) continue;
+		buf[k] = 0;
+		char *rp = strrchr(buf, ')'), state;
+		int ppid;
+		if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2) continue;
+		if (n == cap) {
+			struct pp *nt = realloc(t, (cap = cap ? cap * 2 : 256) * sizeof *t);
+			if (!nt) break;
+			t = nt;
+		}
+		t[n++] = (struct pp){pid, ppid};
+	}
+	closedir(d);
+	qsort(t, n, sizeof *t, cmp_pp);
+	for (size_t i = 0; i < n; i++) {
+		/* walk up the chain; the depth bound guards against a torn snapshot */
+		struct pp *e = &t[i];
+		for (size_t depth = 0; e && depth <= n; depth++) {
+			if (e->ppid == self) {
+				kill(t[i].pid, sig);
+				found++;
+				break;
+			}
+			e = e->ppid > 1 ? find_pp(t, n, e->ppid) : NULL;
+		}
+	}
+	free(t);
+	return found;
+}
+
+/* SIGKILLs the whole tree below us until nothing is left (bounded, ~2 s),
+ * reaping as we go: orphans of killed processes come back to us. */
+static void kill_tree(void)
+{
+	if (cmd_pid > 0 && !cmd_done) kill(-cmd_pid, SIGKILL);
+	for (int round = 0; round < 400; round++) {
+		reap_kids();
+		if (!signal_tree(SIGKILL)) break;
+		usleep(round < 20 ? 1000 : 5000);
+	}
+	reap_kids();
+}
+
+static void arm_timer(uint64_t ms)
+{
+	struct itimerval it = {{0, 0}, {(time_t)(ms / 1000), (suseconds_t)(ms % 1000) * 1000}};
+	if (ms == 0) it.it_value.tv_usec = 1;
+	setitimer(ITIMER_REAL, &it, NULL);
+}
 
 static void check_timer(void)
 {
-	if (got_alrm && cmd_pid > 0 && !timed_out) {
-		kill(-cmd_pid, SIGKILL);
-		timed_out = 1;
+	if (!got_alrm || cmd_pid <= 0 || cmd_done || kill_stage == 2) return;
+	got_alrm = 0;
+	timed_out = 1;
+	if (kill_stage == 0 && grace_ms) {
+		/* a grace period: let it clean up, then SIGKILL at the second alarm */
+		kill(-cmd_pid, SIGTERM);
+		signal_tree(SIGTERM);
+		kill_stage = 1;
+		arm_timer(grace_ms);
+		return;
 	}
+	kill_stage = 2;
+	kill_tree();
 }
 
 static void client_gone(void)
 {
-	/* Nobody waits for the answer: do not leave the command running. */
-	if (cmd_pid > 0) {
-		kill(-cmd_pid, SIGKILL);
-		waitpid(cmd_pid, NULL, 0);
-	}
+	/* Nobody waits for the answer: do not leave the command (or its tree) running. */
+	if (cmd_pid > 0 && !cmd_done) kill_tree();
 	_exit(0);
 }
 
@@ -301,20 +416,158 @@ static void hand_off(int fd)
 	close(fd);
 }
 
-static char **build_env(char **req_env, size_t n_req)
+/* ------------------------------------------------------------------ users */
+
+struct cred {
+	int set;
+	uid_t uid;
+	gid_t gid;
+	size_t ngroups;
+	gid_t groups[MAX_GROUPS];
+	char *name, *home;
+};
+
+/* A decimal id that fits uid_t/gid_t (and is not -1). */
+static int parse_id(const char *s, unsigned long *out)
+{
+	char *end;
+	if (!*s || *s < '0' || *s > '9') return 0;
+	errno = 0;
+	unsigned long v = strtoul(s, &end, 10);
+	if (*end || errno || v >= 0xffffffffUL) return 0;
+	*out = v;
+	return 1;
+}
+
+/* Splits a passwd/group line in place at ':'; returns the field count. */
+static int split_colon(char *line, char **f, int max)
+{
+	int n = 0;
+	line[strcspn(line, "\n")] = 0;
+	f[n++] = line;
+	for (char *s = line; *s && n < max; s++)
+		if (*s == ':') *s = 0, f[n++] = s + 1;
+	return n;
+}
+
+static int has_member(char *list, const char *name)
+{
+	for (char *m = strtok(list, ","); m; m = strtok(NULL, ","))
+		if (!strcmp(m, name)) return 1;
+	return 0;
+}
+
+/* Resolves "user[:group]" (names or numbers) from the sandbox's own
+ * /etc/passwd and /etc/group: no NSS, so a static binary resolves the image's
+ * users exactly. Returns 0, or an errno with `msg` filled. */
+static int resolve_user(const char *spec, struct cred *cr, char *msg, size_t ml)
+{
+	char *u = strdup(spec), *g, *line = NULL, *f[7];
+	size_t cap = 0;
+	unsigned long num = 0, gnum = 0;
+	if (!u) _exit(1);
+	if ((g = strchr(u, ':'))) *g++ = 0;
+	if (!*u || (g && !*g)) {
+		snprintf(msg, ml, "user '%s' is not a name, a uid or uid:gid", spec);
+		return EINVAL;
+	}
+	int by_id = parse_id(u, &num), found = 0;
+	FILE *fp = fopen("/etc/passwd", "re");
+	while (fp && getline(&line, &cap, fp) > 0) {
+		unsigned long pu, pg;
+		if (split_colon(line, f, 7) < 6 || !parse_id(f[2], &pu) || !parse_id(f[3], &pg)) continue;
+		if (by_id ? pu != num : strcmp(f[0], u)) continue;
+		found = 1;
+		cr->uid = (uid_t)pu;
+		cr->gid = (gid_t)pg;
+		cr->name = strdup(f[0]);
+		cr->home = strdup(*f[5] ? f[5] : "/");
+		break;
+	}
+	if (fp) fclose(fp);
+	if (!found) {
+		if (!by_id) {
+			snprintf(msg, ml, "user '%s' does not exist in the sandbox's /etc/passwd", u);
+			return EINVAL;
+		}
+		/* a bare uid with no entry: its own gid, HOME=/ (documented in protocol.py) */
+		cr->uid = (uid_t)num;
+		cr->gid = (gid_t)num;
+		cr->name = strdup(u);
+		cr->home = "/";
+	}
+	int by_gid = g && parse_id(g, &gnum), gfound = by_gid;
+	cr->ngroups = 0;
+	if (!g) cr->groups[cr->ngroups++] = cr->gid;
+	fp = (g && by_gid) ? NULL : fopen("/etc/group", "re");
+	while (fp && getline(&line, &cap, fp) > 0) {
+		unsigned long gid;
+		if (split_colon(line, f, 4) < 4 || !parse_id(f[2], &gid)) continue;
+		if (g) {
+			if (strcmp(f[0], g)) continue;
+			gfound = 1;
+			gnum = gid;
+			break;
+		}
+		/* supplementary groups: every group that lists the user by name */
+		if (found && cr->ngroups < MAX_GROUPS && gid != cr->gid && has_member(f[3], cr->name))
+			cr->groups[cr->ngroups++] = (gid_t)gid;
+	}
+	if (fp) fclose(fp);
+	free(line);
+	if (g) {
+		if (!gfound) {
+			snprintf(msg, ml, "group '%s' does not exist in the sandbox's /etc/group", g);
+			return EINVAL;
+		}
+		cr->gid = (gid_t)gnum;
+		cr->groups[cr->ngroups++] = cr->gid;
+	}
+	cr->set = 1;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ commands */
+
+/* An exec or spawn request, parsed. */
+struct cmd {
+	char **argv, **renv;
+	size_t n_env;
+	char *cwd, *user, *summary;
+	uint64_t timeout_ms, max_out, grace_ms;
+	int has_timeout, close_stdin;
+	struct cred cred;
+	char **env;
+};
+
+static char **build_env(struct cmd *cm)
 {
 	static const char *defaults[] = {
 	    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"};
-	size_t n_own = 0;
+	char *uenv[3];
+	size_t n_own = 0, n_user = 0;
 	while (environ[n_own]) n_own++;
-	char **env = calloc(2 + n_own + n_req + 1, sizeof *env);
+	if (cm->cred.set) {
+		const char *k[3] = {"HOME=", "USER=", "LOGNAME="};
+		for (int i = 0; i < 3; i++) {
+			const char *v = i ? cm->cred.name : cm->cred.home;
+			if (!(uenv[i] = malloc(strlen(k[i]) + strlen(v) + 1))) _exit(1);
+			strcat(strcpy(uenv[i], k[i]), v);
+		}
+		n_user = 3;
+	}
+	char **env = calloc(2 + n_own + n_user + cm->n_env + 1, sizeof *env);
 	size_t n = 0;
 	if (!env) _exit(1);
-	/* Later entries win: defaults < the agent's own env < the request's env. */
-	for (int layer = 0; layer < 3; layer++) {
-		size_t count = layer == 0 ? 2 : layer == 1 ? n_own : n_req;
+	/* Later entries win: defaults < the agent's own env < the user's HOME/USER/LOGNAME
+	 * < the request's env. */
+	for (int layer = 0; layer < 4; layer++) {
+		size_t count = layer == 0 ? 2 : layer == 1 ? n_own : layer == 2 ? n_user : cm->n_env;
 		for (size_t i = 0; i < count; i++) {
-			char *kv = layer == 0 ? (char *)defaults[i] : layer == 1 ? environ[i] : req_env[i];
+			char *kv = layer == 0   ? (char *)defaults[i]
+				   : layer == 1 ? environ[i]
+				   : layer == 2 ? uenv[i]
+						: cm->renv[i];
 			const char *eq = strchr(kv, '=');
 			size_t klen = eq ? (size_t)(eq - kv) : strlen(kv);
 			size_t j;
@@ -328,7 +581,90 @@ static char **build_env(char **req_env, size_t n_req)
 	return env;
 }
 
-static void run_child(char **argv, char **env, int in, int out, int err)
+/* Parses exec/spawn fields, resolves the user, enters cwd and builds the env.
+ * Returns 0, or -1 after answering an error. */
+static int parse_cmd(int c, const uint8_t *req, uint32_t n, struct cmd *cm, const char *op)
+{
+	struct field f;
+	uint32_t off = 0;
+	size_t n_argv = 0;
+	char *shell = NULL;
+	int r;
+	while ((r = next_field(req, n, &off, &f)) > 0) n_argv += f.tag == 'a', cm->n_env += f.tag == 'e';
+	cm->argv = calloc(n_argv + 4, sizeof *cm->argv);
+	cm->renv = calloc(cm->n_env + 1, sizeof *cm->renv);
+	if (!cm->argv || !cm->renv) _exit(1);
+	if (r < 0) {
+		send_err(c, EINVAL, "%s: malformed request", op);
+		return -1;
+	}
+	n_argv = cm->n_env = 0;
+	off = 0;
+	while ((r = next_field(req, n, &off, &f)) > 0) {
+		char *s = NULL;
+		if (f.tag && strchr("acdeu", f.tag) && !(s = field_str(&f))) {
+			send_err(c, EINVAL, "%s: argument, env, cwd or user contains a NUL byte", op);
+			return -1;
+		}
+		switch (f.tag) {
+		case 'a': cm->argv[n_argv++] = s; break;
+		case 'c': shell = s; break;
+		case 'e':
+			if (!strchr(s, '=')) {
+				send_err(c, EINVAL, "%s: env entry '%s' has no '='", op, s);
+				return -1;
+			}
+			cm->renv[cm->n_env++] = s;
+			break;
+		case 'd': cm->cwd = s; break;
+		case 'u': cm->user = s; break;
+		case 't': cm->timeout_ms = field_u64(&f), cm->has_timeout = 1; break;
+		case 'o': cm->max_out = field_u64(&f); break;
+		case 'g': cm->grace_ms = field_u64(&f); break;
+		case 'n': cm->close_stdin = field_u64(&f) != 0; break;
+		}
+	}
+	if (r < 0 || (!shell && !n_argv)) {
+		send_err(c, EINVAL, "%s: malformed request (no command)", op);
+		return -1;
+	}
+	if (shell) {
+		cm->argv[0] = "/bin/sh";
+		cm->argv[1] = "-c";
+		cm->argv[2] = shell;
+		cm->argv[3] = NULL;
+	}
+	/* a one-line summary for process listings */
+	if (!(cm->summary = calloc(1, 1025))) _exit(1);
+	for (char **a = shell ? &shell : cm->argv; *a; a++) {
+		size_t have = strlen(cm->summary);
+		snprintf(cm->summary + have, 1025 - have, "%s%s", have ? " " : "", *a);
+		if (shell) break;
+	}
+	if (cm->user) {
+		char msg[512];
+		int e = resolve_user(cm->user, &cm->cred, msg, sizeof msg);
+		if (e) {
+			send_err(c, e, "%s", msg);
+			return -1;
+		}
+	}
+	if (cm->cwd) {
+		struct stat st;
+		int e = 0;
+		if (stat(cm->cwd, &st) < 0) e = errno;
+		else if (!S_ISDIR(st.st_mode)) e = ENOTDIR;
+		else if (chdir(cm->cwd) < 0) e = errno;
+		if (e) {
+			send_err(c, e, "cwd '%s': %s", cm->cwd, e == ENOENT ? "no such directory" : strerror(e));
+			return -1;
+		}
+	}
+	cm->env = build_env(cm);
+	return 0;
+}
+
+static void run_child(struct cmd *cm, int in, int out, int err, int errfd)
 {
 	setsid();
 	dup2(in, 0);
@@ -338,73 +674,78 @@ static void run_child(char **argv, char **env, int in, int out, int err)
 	sigset_t none;
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
-	environ = env; /* execvp searches the command's own PATH */
-	execvp(argv[0], argv);
+	const struct cred *cr = &cm->cred;
+	/* same ids as ours: nothing to switch, so no capability is needed */
+	if (cr->set && (cr->uid != geteuid() || cr->gid != getegid())) {
+		if (setgroups(cr->ngroups, cr->groups) < 0 || setgid(cr->gid) < 0 || setuid(cr->uid) < 0) {
+			int e = errno;
+			if (write(errfd, &e, sizeof e) < 0) _exit(126);
+			_exit(126);
+		}
+	}
+	environ = cm->env; /* execvp searches the command's own PATH */
+	execvp(cm->argv[0], cm->argv);
 	int e = errno;
-	dprintf(2, "sandfleet-agent: %s: %s\n", argv[0], e == ENOENT ? "command not found" : strerror(e));
+	dprintf(2, "sandfleet-agent: %s: %s\n", cm->argv[0], e == ENOENT ? "command not found" : strerror(e));
 	_exit(e == ENOENT ? 127 : 126);
+}
+
+/* Forks the command on the given pipe ends and waits until it has exec'd (or
+ * failed to). Returns its pid, or -1 with the errno in *err (and *cred_fail if
+ * switching user failed; then the child is already reaped). */
+static pid_t start_cmd(struct cmd *cm, int in, int out, int errp, int *err, int *cred_fail)
+{
+	int ep[2];
+	*cred_fail = 0;
+	if (pipe2(ep, O_CLOEXEC) < 0) {
+		*err = errno;
+		return -1;
+	}
+	pid_t pid = fork();
+	if (pid == 0) run_child(cm, in, out, errp, ep[1]);
+	int fe = errno;
+	close(ep[1]);
+	if (pid < 0) {
+		close(ep[0]);
+		*err = fe;
+		return -1;
+	}
+	int e = 0;
+	ssize_t r;
+	/* EOF at execve (the pipe is close-on-exec), or the errno of a failed switch */
+	while ((r = read(ep[0], &e, sizeof e)) < 0 && errno == EINTR) {
+	}
+	close(ep[0]);
+	if (r == (ssize_t)sizeof e) {
+		waitpid(pid, NULL, 0);
+		*err = e;
+		*cred_fail = 1;
+		return -1;
+	}
+	return pid;
+}
+
+static void start_failed(int c, struct cmd *cm, int e, int cred_fail, const char *op)
+{
+	if (cred_fail && e == EPERM)
+		send_err(c, EPERM,
+			 "cannot run as user '%s': the sandbox lacks CAP_SETUID/CAP_SETGID "
+			 "(the node must grant them to switch users)",
+			 cm->user);
+	else if (cred_fail)
+		send_err(c, e, "cannot run as user '%s': %s", cm->user, strerror(e));
+	else
+		send_err(c, e, "%s: fork: %s (process limit reached?)", op, strerror(e));
 }
 
 static void op_exec(int c, const uint8_t *req, uint32_t n)
 {
-	struct field f;
-	uint32_t off = 0;
-	size_t n_argv = 0, n_env = 0;
-	char *shell = NULL, *cwd = NULL;
-	uint64_t timeout_ms = 60000, max_out = 16u << 20;
-	int r;
-	while ((r = next_field(req, n, &off, &f)) > 0) n_argv += f.tag == 'a', n_env += f.tag == 'e';
-	char **argv = calloc(n_argv + 4, sizeof *argv), **renv = calloc(n_env + 1, sizeof *renv);
-	if (!argv || !renv) _exit(1);
-	if (r < 0) {
-		send_err(c, EINVAL, "exec: malformed request");
-		return;
-	}
-	n_argv = n_env = 0;
-	off = 0;
-	while ((r = next_field(req, n, &off, &f)) > 0) {
-		char *s = NULL;
-		if (f.tag && strchr("acde", f.tag) && !(s = field_str(&f))) {
-			send_err(c, EINVAL, "exec: argument, env or cwd contains a NUL byte");
-			return;
-		}
-		switch (f.tag) {
-		case 'a': argv[n_argv++] = s; break;
-		case 'c': shell = s; break;
-		case 'e':
-			if (!strchr(s, '=')) {
-				send_err(c, EINVAL, "exec: env entry '%s' has no '='", s);
-				return;
-			}
-			renv[n_env++] = s;
-			break;
-		case 'd': cwd = s; break;
-		case 't': timeout_ms = field_u64(&f); break;
-		case 'o': max_out = field_u64(&f); break;
-		}
-	}
-	if (r < 0 || (!shell && !n_argv)) {
-		send_err(c, EINVAL, "exec: malformed request (no command)");
-		return;
-	}
-	if (shell) {
-		argv[0] = "/bin/sh";
-		argv[1] = "-c";
-		argv[2] = shell;
-		argv[3] = NULL;
-	}
-	if (cwd) {
-		struct stat st;
-		int e = 0;
-		if (stat(cwd, &st) < 0) e = errno;
-		else if (!S_ISDIR(st.st_mode)) e = ENOTDIR;
-		else if (chdir(cwd) < 0) e = errno;
-		if (e) {
-			send_err(c, e, "cwd '%s': %s", cwd, e == ENOENT ? "no such directory" : strerror(e));
-			return;
-		}
-	}
-	char **env = build_env(renv, n_env);
+	struct cmd cm = {.timeout_ms = 60000, .max_out = 16u << 20};
+	/* a subreaper: whatever the command forks stays below us, whatever it does */
+	prctl(PR_SET_CHILD_SUBREAPER, 1);
+	if (parse_cmd(c, req, n, &cm, "exec") < 0) return;
+	uint64_t timeout_ms = cm.timeout_ms, max_out = cm.max_out;
+	grace_ms = cm.grace_ms;
 
 	int pin[2], pout[2], perr[2];
 	if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0) {
@@ -412,12 +753,12 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 		return;
 	}
 	uint64_t t0 = now_ns();
-	pid_t pid = fork();
+	int e, cred_fail;
+	pid_t pid = start_cmd(&cm, pin[0], pout[1], perr[1], &e, &cred_fail);
 	if (pid < 0) {
-		send_err(c, errno, "exec: fork: %s (process limit reached?)", strerror(errno));
+		start_failed(c, &cm, e, cred_fail, "exec");
 		return;
 	}
-	if (pid == 0) run_child(argv, env, pin[0], pout[1], perr[1]);
 	cmd_pid = pid;
 	close(pin[0]);
 	close(pout[1]);
@@ -427,9 +768,7 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 	fcntl(pin[1], F_SETFL, O_NONBLOCK);
 	fcntl(pout[0], F_SETFL, O_NONBLOCK);
 	fcntl(perr[0], F_SETFL, O_NONBLOCK);
-	struct itimerval it = {{0, 0}, {(time_t)(timeout_ms / 1000), (suseconds_t)(timeout_ms % 1000) * 1000}};
-	if (timeout_ms == 0) it.it_value.tv_usec = 1;
-	setitimer(ITIMER_REAL, &it, NULL);
+	arm_timer(timeout_ms);
 
 	struct stream so = {pout[0], '1', max_out - max_out / 2, max_out / 2, NULL, 0, 0, 0};
 	struct stream se = {perr[0], '2', max_out - max_out / 2, max_out / 2, NULL, 0, 0, 0};
@@ -437,14 +776,11 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 	int in_fd = pin[1], in_eof = 0;
 	uint8_t hdr[5];
 	uint32_t hgot = 0, plen = 0, pgot = 0, pdone = 0, have = 0;
-	int status = 0, exited = 0;
 
-	while (!exited) {
+	for (;;) {
 		check_timer();
-		if (got_chld) {
-			got_chld = 0;
-			if (waitpid(pid, &status, WNOHANG) == pid) break;
-		}
+		if (got_chld) reap_kids();
+		if (cmd_done) break;
 		struct pollfd p[4] = {
 		    {.fd = so.fd, .events = POLLIN}, {.fd = se.fd, .events = POLLIN},
 		    {.fd = c, .events = (!have && !in_eof) ? POLLIN : 0},
@@ -494,9 +830,14 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 		}
 	}
 	uint64_t dur = now_ns() - t0;
-	cmd_pid = 0;
 	struct itimerval off_timer = {{0, 0}, {0, 0}};
 	setitimer(ITIMER_REAL, &off_timer, NULL);
+	/* Timed out: the rest of the tree goes too (during a grace period the main
+	 * process may have exited on SIGTERM, leaving children). A normal exit
+	 * leaves background jobs running: they pass to PID 1 when we exit. */
+	if (timed_out) kill_tree();
+	int status = cmd_status;
+	cmd_pid = 0;
 	if (in_fd >= 0) close(in_fd);
 	/* What the command wrote before exiting is already in the pipes; read it,
 	 * but never wait for background jobs that still hold the write ends. */
@@ -710,6 +1051,807 @@ static void op_ping(int c)
 	send_frame(c, 'K', buf, n);
 }
 
+/* ------------------------------------------------------------------ spawn: supervisor */
+
+/* Output of a spawned process: the last `cap` bytes, addressed by absolute
+ * offset (byte `a` is at buf[a % cap] while total - cap <= a < total). */
+struct ring {
+	int fd, eof;
+	uint64_t cap, total;
+	uint8_t *buf;
+};
+
+/* A caller waiting for the process to end ('W'), for output past an offset
+ * ('n'), or for the initial stdin to be written before getting the pipe ('i'). */
+struct park {
+	int fd;
+	uint8_t op, stream;
+	uint64_t off, deadline;
+};
+
+enum { ST_RUNNING, ST_EXITED, ST_SIGNALED, ST_KILLED, ST_TIMEOUT };
+
+static struct sup {
+	char id[24];
+	struct cmd *cm;
+	pid_t pid;
+	int ls, state, code, sig, ended, kill_req;
+	uint64_t started, ended_at; /* Unix time, ns */
+	uint64_t deadline, kill_at; /* monotonic ns, 0 = none */
+	struct ring out[2];
+	int in_fd, close_after;
+	uint8_t *in_buf;
+	size_t in_len, in_off;
+	struct park park[MAX_PARK];
+	int npark;
+} S;
+
+static uint8_t sink[16384];
+
+static uint64_t wall_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static size_t put_tlv(uint8_t *p, uint8_t tag, const void *val, size_t n)
+{
+	p[0] = tag;
+	put32(p + 1, (uint32_t)n);
+	memcpy(p + 5, val, n);
+	return 5 + n;
+}
+
+static size_t put_u64_field(uint8_t *p, uint8_t tag, uint64_t v)
+{
+	uint8_t b[8];
+	put64(b, v);
+	return put_tlv(p, tag, b, 8);
+}
+
+/* Writes a whole frame (header + up to two payload pieces); never exits. */
+static int send_parts(int fd, uint8_t type, const void *a, size_t an, const void *b, size_t bn,
+		      const void *d, size_t dn)
+{
+	uint8_t hdr[5];
+	put32(hdr, (uint32_t)(an + bn + dn));
+	hdr[4] = type;
+	struct iovec iov[4] = {{hdr, 5}, {(void *)a, an}, {(void *)b, bn}, {(void *)d, dn}};
+	struct iovec *v = iov;
+	int nv = 4;
+	while (nv) {
+		struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)nv};
+		ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR) continue;
+		if (w < 0) return -1;
+		while (nv && (size_t)w >= v->iov_len) w -= (ssize_t)v->iov_len, v++, nv--;
+		if (nv) v->iov_base = (uint8_t *)v->iov_base + w, v->iov_len -= (size_t)w;
+	}
+	return 0;
+}
+
+static void sup_err(int fd, int err, const char *fmt, ...)
+{
+	uint8_t msg[4 + 512];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf((char *)msg + 4, sizeof msg - 4, fmt, ap);
+	va_end(ap);
+	if (n < 0) n = 0;
+	if ((size_t)n > sizeof msg - 5) n = sizeof msg - 5;
+	put32(msg, (uint32_t)err);
+	send_parts(fd, 'E', msg, 4 + (size_t)n, NULL, 0, NULL, 0);
+}
+
+/* The 'P' record: TLV fields, see protocol.py. */
+static void sup_record(int fd)
+{
+	uint8_t buf[1200 + sizeof S.id];
+	size_t n = put_tlv(buf, 'i', S.id, strlen(S.id));
+	n += put_u64_field(buf + n, 'p', (uint64_t)S.pid);
+	n += put_tlv(buf + n, 'c', S.cm->summary, strlen(S.cm->summary));
+	uint8_t st = (uint8_t)S.state;
+	n += put_tlv(buf + n, 's', &st, 1);
+	if (S.state == ST_EXITED) n += put_u64_field(buf + n, 'x', (uint64_t)S.code);
+	if (S.state == ST_SIGNALED || S.state == ST_KILLED) n += put_u64_field(buf + n, 'g', (uint64_t)S.sig);
+	n += put_u64_field(buf + n, 'b', S.started);
+	if (S.ended) n += put_u64_field(buf + n, 'n', S.ended_at);
+	n += put_u64_field(buf + n, 'O', S.out[0].total);
+	n += put_u64_field(buf + n, 'R', S.out[1].total);
+	n += put_u64_field(buf + n, 'I', S.in_fd >= 0);
+	send_parts(fd, 'P', buf, n, NULL, 0, NULL, 0);
+}
+
+/* Returns 1 if data was read, -1 if nothing is there now, 0 at EOF. */
+static int ring_pump(struct ring *r)
+{
+	uint8_t *dst = sink;
+	size_t room = sizeof sink;
+	if (r->cap && !r->buf) {
+		/* mapped on first output: untouched pages cost nothing */
+		void *m = mmap(NULL, r->cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (m == MAP_FAILED) r->cap = 0;
+		else r->buf = m;
+	}
+	if (r->cap) {
+		uint64_t w = r->total % r->cap;
+		dst = r->buf + w;
+		room = r->cap - w < PIPE_READ ? (size_t)(r->cap - w) : PIPE_READ;
+	}
+	ssize_t k = read(r->fd, dst, room);
+	if (k > 0) {
+		r->total += (uint64_t)k;
+		return 1;
+	}
+	if (k < 0 && (errno == EAGAIN || errno == EINTR)) return -1;
+	close(r->fd);
+	r->fd = -1;
+	r->eof = 1;
+	return 0;
+}
+
+static void done_marker(int create)
+{
+	char p[sizeof run_dir + 32];
+	snprintf(p, sizeof p, "%s/%s.done", run_dir, S.id);
+	if (!create) {
+		unlink(p);
+		return;
+	}
+	int fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+	if (fd >= 0) close(fd);
+}
+
+static void close_stdin_now(void)
+{
+	if (S.in_fd >= 0) close(S.in_fd);
+	S.in_fd = -1;
+	free(S.in_buf);
+	S.in_buf = NULL;
+	S.in_len = S.in_off = 0;
+}
+
+/* The main process was reaped: record how it ended. */
+static void sup_check_end(void)
+{
+	if (S.ended || !cmd_done) return;
+	/* what it wrote before exiting is in the pipes: take it now, so a follower
+	 * that stops at the end sees all of it */
+	for (int k = 0; k < 2; k++)
+		for (int i = 0; i < 256 && S.out[k].fd >= 0 && ring_pump(&S.out[k]) > 0; i++) {
+		}
+	S.ended = 1;
+	S.ended_at = wall_ns();
+	if (timed_out) {
+		S.state = ST_TIMEOUT; /* killed at its deadline */
+	} else if (WIFSIGNALED(cmd_status)) {
+		S.state = S.kill_req ? ST_KILLED : ST_SIGNALED;
+		S.sig = WTERMSIG(cmd_status);
+	} else {
+		S.state = ST_EXITED;
+		S.code = WEXITSTATUS(cmd_status);
+	}
+	close_stdin_now();
+	if (timed_out) kill_tree();
+	done_marker(1);
+}
+
+static void sup_exit(void)
+{
+	char p[sizeof run_dir + 32];
+	snprintf(p, sizeof p, "%s/%s", run_dir, S.id);
+	unlink(p);
+	done_marker(0);
+	_exit(0);
+}
+
+static void pass_fd(int s, int fd)
+{
+	char cbuf[CMSG_SPACE(sizeof(int))];
+	uint8_t hdr[5] = {0, 0, 0, 0, 'K'};
+	struct iovec iov = {.iov_base = hdr, .iov_len = 5};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+			    .msg_controllen = sizeof cbuf};
+	struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+	sendmsg(s, &mh, MSG_NOSIGNAL);
+}
+
+/* Answers a parked caller if its condition holds (or its deadline passed). */
+static int park_ready(struct park *p, uint64_t now)
+{
+	int expired = p->deadline && now >= p->deadline;
+	switch (p->op) {
+	case 'W':
+		if (!S.ended && !expired) return 0;
+		sup_record(p->fd);
+		return 1;
+	case 'n': {
+		struct ring *r = &S.out[p->stream];
+		if (r->total <= p->off && !S.ended && !r->eof && !expired) return 0;
+		send_parts(p->fd, 'K', NULL, 0, NULL, 0, NULL, 0);
+		return 1;
+	}
+	default: /* 'i' */
+		if (S.in_fd >= 0 && S.in_off < S.in_len) return 0;
+		if (S.in_fd < 0) sup_err(p->fd, EPIPE, "the stdin of process %s is closed", S.id);
+		else pass_fd(p->fd, S.in_fd);
+		return 1;
+	}
+}
+
+static void park(int fd, uint8_t op, uint8_t stream, uint64_t off, uint64_t deadline)
+{
+	if (S.npark == MAX_PARK) {
+		sup_err(fd, EAGAIN, "process %s has too many waiting callers", S.id);
+		close(fd);
+		return;
+	}
+	S.park[S.npark++] = (struct park){fd, op, stream, off, deadline};
+}
+
+static void sup_request(int a)
+{
+	uint8_t type;
+	uint32_t len;
+	struct field f;
+	uint32_t off = 0;
+	uint64_t offset = 0, tmo = 0, sig = SIGKILL;
+	int stream = 0, has_t = 0;
+	if (read_frame(a, &type, req_buf, &len) < 0) {
+		close(a);
+		return;
+	}
+	while (next_field(req_buf, len, &off, &f) > 0) {
+		if (f.tag == 'S') stream = field_u64(&f) == 2;
+		if (f.tag == 'F') offset = field_u64(&f);
+		if (f.tag == 't') tmo = field_u64(&f), has_t = 1;
+		if (f.tag == 'g') sig = field_u64(&f);
+	}
+	uint64_t deadline = has_t ? now_ns() + tmo * 1000000u : 0;
+	switch (type) {
+	case 'q': sup_record(a); break;
+	case 'W':
+		if (!S.ended && !(has_t && tmo == 0)) {
+			park(a, 'W', 0, 0, deadline);
+			return;
+		}
+		sup_record(a);
+		break;
+	case 'n': park(a, 'n', (uint8_t)stream, offset, deadline); return;
+	case 'k':
+		if (sig < 1 || sig >= NSIG) {
+			sup_err(a, EINVAL, "signal %llu is not a valid signal number", (unsigned long long)sig);
+			break;
+		}
+		if (!S.ended) S.kill_req = 1;
+		if (sig == SIGKILL) {
+			kill_tree();
+		} else {
+			if (!S.ended) kill(-S.pid, (int)sig);
+			signal_tree((int)sig);
+		}
+		reap_kids();
+		sup_check_end();
+		sup_record(a);
+		break;
+	case 'i':
+		if (S.ended) sup_err(a, EPIPE, "process %s has ended; it takes no more stdin", S.id);
+		else if (S.in_fd < 0) sup_err(a, EPIPE, "the stdin of process %s is closed", S.id);
+		else {
+			park(a, 'i', 0, 0, 0);
+			return;
+		}
+		break;
+	case 'I':
+		if (S.in_off < S.in_len) S.close_after = 1;
+		else close_stdin_now();
+		send_parts(a, 'K', NULL, 0, NULL, 0, NULL, 0);
+		break;
+	case 'o': {
+		/* the bytes from max(offset, oldest retained), at most one chunk */
+		struct ring *r = &S.out[stream];
+		uint64_t oldest = r->total - (r->total < r->cap ? r->total : r->cap);
+		uint64_t start = offset < oldest ? oldest : offset;
+		if (start > r->total) start = r->total;
+		uint64_t n = r->total - start < CHUNK ? r->total - start : CHUNK;
+		uint8_t h[33];
+		put64(h, start);
+		put64(h + 8, start + n);
+		put64(h + 16, start - (offset < start ? offset : start));
+		put64(h + 24, r->total);
+		h[32] = (uint8_t)((r->eof && start + n == r->total) | (S.ended << 1));
+		uint64_t at = r->cap ? start % r->cap : 0;
+		uint64_t first = r->cap && r->cap - at < n ? r->cap - at : n;
+		send_parts(a, 'O', h, 33, r->buf ? r->buf + at : NULL, r->buf ? first : 0,
+			   r->buf, r->buf ? n - first : 0);
+		break;
+	}
+	case 'R':
+		if (!S.ended) {
+			sup_err(a, EBUSY, "process %s is still running: kill it or wait for it first", S.id);
+			break;
+		}
+		send_parts(a, 'K', NULL, 0, NULL, 0, NULL, 0);
+		close(a);
+		sup_exit();
+		break;
+	default: sup_err(a, EINVAL, "unknown process request 0x%02x", type);
+	}
+	close(a);
+}
+
+/* The supervisor's loop: pipes into rings, stdin out, deadlines, callers. */
+static void supervise(void)
+{
+	static struct pollfd p[4 + MAX_PARK];
+	for (;;) {
+		if (got_chld) reap_kids();
+		sup_check_end();
+		uint64_t now = now_ns();
+		if (!S.ended && S.deadline && now >= S.deadline) {
+			S.deadline = 0;
+			timed_out = 1;
+			if (S.cm->grace_ms) {
+				kill(-S.pid, SIGTERM);
+				signal_tree(SIGTERM);
+				S.kill_at = now + S.cm->grace_ms * 1000000u;
+			} else {
+				kill_tree();
+			}
+			continue;
+		}
+		if (S.kill_at && now >= S.kill_at) {
+			S.kill_at = 0;
+			kill_tree();
+			continue;
+		}
+		if (S.close_after && S.in_off >= S.in_len) S.close_after = 0, close_stdin_now();
+		uint64_t next = S.ended ? 0 : S.deadline;
+		if (S.kill_at && (!next || S.kill_at < next)) next = S.kill_at;
+		for (int i = 0; i < S.npark; i++) {
+			if (park_ready(&S.park[i], now)) {
+				close(S.park[i].fd);
+				S.park[i--] = S.park[--S.npark];
+			} else if (S.park[i].deadline && (!next || S.park[i].deadline < next)) {
+				next = S.park[i].deadline;
+			}
+		}
+		p[0] = (struct pollfd){.fd = S.ls, .events = POLLIN};
+		p[1] = (struct pollfd){.fd = S.out[0].fd, .events = POLLIN};
+		p[2] = (struct pollfd){.fd = S.out[1].fd, .events = POLLIN};
+		p[3] = (struct pollfd){.fd = S.in_off < S.in_len ? S.in_fd : -1, .events = POLLOUT};
+		for (int i = 0; i < S.npark; i++) p[4 + i] = (struct pollfd){.fd = S.park[i].fd, .events = POLLIN};
+		struct timespec ts, *tp = NULL;
+		if (next) {
+			uint64_t d = next > now ? next - now : 0;
+			ts = (struct timespec){(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+			tp = &ts;
+		}
+		if (ppoll(p, 4 + (nfds_t)S.npark, tp, &wait_mask) < 0) continue;
+		for (int k = 0; k < 2; k++)
+			if (p[1 + k].revents)
+				for (int i = 0; i < 16 && S.out[k].fd >= 0 && ring_pump(&S.out[k]) > 0; i++) {
+				}
+		if (p[3].revents) {
+			ssize_t w = write(S.in_fd, S.in_buf + S.in_off, S.in_len - S.in_off);
+			if (w > 0) S.in_off += (size_t)w;
+			else if (w < 0 && errno != EAGAIN && errno != EINTR) close_stdin_now();
+		}
+		/* a parked caller that hung up (they send nothing more) */
+		for (int i = S.npark - 1; i >= 0; i--) {
+			if (!p[4 + i].revents) continue;
+			close(S.park[i].fd);
+			S.park[i] = S.park[--S.npark];
+		}
+		if (p[0].revents & POLLIN) {
+			for (int i = 0; i < 16; i++) {
+				int a = accept4(S.ls, NULL, NULL, SOCK_CLOEXEC);
+				if (a < 0) break;
+				struct timeval tv = {2, 0};
+				setsockopt(a, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+				setsockopt(a, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+				sup_request(a);
+			}
+		}
+	}
+}
+
+static int sup_addr(struct sockaddr_un *a, const char *id)
+{
+	*a = (struct sockaddr_un){.sun_family = AF_UNIX};
+	return snprintf(a->sun_path, sizeof a->sun_path, "%s/%s", run_dir, id) >= (int)sizeof a->sun_path;
+}
+
+/* In the freshly forked supervisor: listen, start the command, report to the
+ * spawning handler over `rep` (i32 errno | i32 pid | message), then serve. */
+static void start_supervisor(struct cmd *cm, const char *id, uint8_t *in_buf, size_t in_len, int rep)
+{
+	uint8_t msg[8 + 512] = {0};
+	int e = 0, cred_fail = 0, n = 0;
+	setsid();
+	prctl(PR_SET_CHILD_SUBREAPER, 1);
+	char name[16];
+	snprintf(name, sizeof name, "sfsup-%.9s", id); /* comm holds 15 bytes */
+	prctl(PR_SET_NAME, name);
+	close(handoff[1]);
+	memset(&S, 0, sizeof S);
+	snprintf(S.id, sizeof S.id, "%s", id);
+	S.cm = cm;
+	S.in_fd = -1;
+	S.in_buf = in_buf;
+	S.in_len = in_len;
+	S.close_after = cm->close_stdin;
+	S.out[0].cap = S.out[1].cap = cm->max_out;
+
+	struct sockaddr_un a;
+	int pin[2] = {-1, -1}, pout[2], perr[2];
+	S.ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	sup_addr(&a, id);
+	unlink(a.sun_path); /* a stale socket of an earlier agent run */
+	if (S.ls < 0 || bind(S.ls, (struct sockaddr *)&a, sizeof a) < 0 || listen(S.ls, 64) < 0) {
+		e = errno;
+		n = snprintf((char *)msg + 8, 512, "spawn: cannot listen on %s: %s", a.sun_path, strerror(e));
+	} else if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0) {
+		e = errno;
+		n = snprintf((char *)msg + 8, 512, "spawn: pipe: %s", strerror(e));
+	} else if ((S.pid = cmd_pid = start_cmd(cm, pin[0], pout[1], perr[1], &e, &cred_fail)) < 0) {
+		if (cred_fail && e == EPERM)
+			n = snprintf((char *)msg + 8, 512,
+				     "cannot run as user '%s': the sandbox lacks CAP_SETUID/CAP_SETGID "
+				     "(the node must grant them to switch users)",
+				     cm->user);
+		else if (cred_fail)
+			n = snprintf((char *)msg + 8, 512, "cannot run as user '%s': %s", cm->user, strerror(e));
+		else
+			n = snprintf((char *)msg + 8, 512, "spawn: fork: %s (process limit reached?)", strerror(e));
+	}
+	S.started = wall_ns();
+	put32(msg, (uint32_t)e);
+	put32(msg + 4, (uint32_t)(e ? 0 : S.pid));
+	if (write(rep, msg, 8 + (size_t)(n > 0 ? n : 0)) < 0) e = e ? e : EPIPE;
+	close(rep);
+	if (e) {
+		if (S.ls >= 0) unlink(a.sun_path);
+		_exit(1);
+	}
+	close(pin[0]);
+	close(pout[1]);
+	close(perr[1]);
+	if (chdir("/") < 0) { /* do not pin the command's cwd */
+	}
+	S.in_fd = pin[1];
+	S.out[0].fd = pout[0];
+	S.out[1].fd = perr[0];
+	fcntl(pin[1], F_SETFL, O_NONBLOCK);
+	fcntl(pout[0], F_SETFL, O_NONBLOCK);
+	fcntl(perr[0], F_SETFL, O_NONBLOCK);
+	if (cm->has_timeout) S.deadline = now_ns() + cm->timeout_ms * 1000000u;
+	supervise();
+}
+
+/* ------------------------------------------------------------------ spawn: relay */
+
+/* "p" and 1-19 digits: never a path. */
+static int valid_id(const char *id)
+{
+	size_t n = strlen(id);
+	if (n < 2 || n > 20 || id[0] != 'p' || id[1] == '0') return 0;
+	for (size_t i = 1; i < n; i++)
+		if (id[i] < '0' || id[i] > '9') return 0;
+	return 1;
+}
+
+/* Connects to the supervisor of `id` and sends it one request; -1 after
+ * answering NotFound (or returning quietly with c < 0). */
+static int sup_open(int c, const char *id, uint8_t type, const uint8_t *payload, size_t n)
+{
+	struct sockaddr_un a;
+	int s = -1, e = ENOENT;
+	if (*run_dir && !sup_addr(&a, id) && (s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) >= 0 &&
+	    connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
+		struct timeval tv = {IDLE_TIMEOUT_S, 0};
+		setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+		setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+		if (send_parts(s, type, payload, n, NULL, 0, NULL, 0) == 0) return s;
+	}
+	if (s >= 0) e = errno, close(s);
+	if (e == ECONNREFUSED && *run_dir) unlink(a.sun_path); /* its supervisor died */
+	if (c >= 0)
+		send_err(c, ENOENT, "no process '%s' in this sandbox (unknown id, or removed)", id);
+	return -1;
+}
+
+/* Waits for the supervisor's answer; a client that hangs up meanwhile ends us. */
+static int sup_answer(int c, int s, const char *id, uint8_t *type, uint8_t *buf, uint32_t *len)
+{
+	struct pollfd p[2] = {{.fd = s, .events = POLLIN}, {.fd = c, .events = POLLIN}};
+	while (c >= 0 && !(p[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+		if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+		if (p[1].revents) client_gone(); /* callers send nothing more: this is EOF */
+	}
+	if (read_frame(s, type, buf, len) == 0) return 0;
+	if (c >= 0) send_err(c, ENOENT, "process '%s' was removed (or its supervisor died) during the call", id);
+	return -1;
+}
+
+/* One request, one answer, passed through as is. */
+static void relay_simple(int c, const char *id, uint8_t type, const uint8_t *req, uint32_t n)
+{
+	uint8_t at;
+	uint32_t alen;
+	int s = sup_open(c, id, type, req, n);
+	if (s < 0) return;
+	if (sup_answer(c, s, id, &at, data_buf, &alen) == 0) send_frame(c, at, data_buf, alen);
+	close(s);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Ids (numbers) of the supervisors in the run directory, sorted; `done` picks
+ * the finished ones (their .done markers). Caller frees. */
+static size_t list_ids(uint64_t **out, int done)
+{
+	size_t n = 0, cap = 0;
+	uint64_t *ids = NULL;
+	DIR *d = *run_dir ? opendir(run_dir) : NULL;
+	struct dirent *de;
+	while (d && (de = readdir(d))) {
+		char *end;
+		if (de->d_name[0] != 'p' || de->d_name[1] < '1' || de->d_name[1] > '9') continue;
+		uint64_t v = strtoull(de->d_name + 1, &end, 10);
+		if (strcmp(end, done ? ".done" : "")) continue;
+		if (n == cap) {
+			uint64_t *ni = realloc(ids, (cap = cap ? cap * 2 : 64) * sizeof *ids);
+			if (!ni) break;
+			ids = ni;
+		}
+		ids[n++] = v;
+	}
+	if (d) closedir(d);
+	if (n) qsort(ids, n, sizeof *ids, cmp_u64);
+	*out = ids;
+	return n;
+}
+
+static void op_proc_list(int c)
+{
+	uint64_t *ids;
+	size_t n = list_ids(&ids, 0);
+	for (size_t i = 0; i < n; i++) {
+		char id[24];
+		uint8_t at;
+		uint32_t alen;
+		snprintf(id, sizeof id, "p%llu", (unsigned long long)ids[i]);
+		int s = sup_open(-1, id, 'q', NULL, 0);
+		if (s < 0) continue; /* removed meanwhile */
+		if (sup_answer(-1, s, id, &at, data_buf, &alen) == 0 && at == 'P') send_frame(c, 'P', data_buf, alen);
+		close(s);
+	}
+	free(ids);
+	send_frame(c, 'Z', NULL, 0);
+}
+
+/* Keeps at most MAX_FINISHED finished processes: the oldest go first. */
+static void evict_finished(void)
+{
+	uint64_t *ids;
+	size_t n = list_ids(&ids, 1);
+	for (size_t i = 0; n >= MAX_FINISHED && i <= n - MAX_FINISHED; i++) {
+		char id[24], p[sizeof run_dir + 32];
+		uint8_t at;
+		uint32_t alen;
+		snprintf(id, sizeof id, "p%llu", (unsigned long long)ids[i]);
+		int s = sup_open(-1, id, 'R', NULL, 0);
+		if (s >= 0) {
+			sup_answer(-1, s, id, &at, data_buf, &alen);
+			close(s);
+		} else {
+			snprintf(p, sizeof p, "%s/%s.done", run_dir, id);
+			unlink(p); /* stale marker */
+		}
+	}
+	free(ids);
+}
+
+static void op_spawn(int c, const uint8_t *req, uint32_t n)
+{
+	struct cmd cm = {.max_out = 4u << 20};
+	if (parse_cmd(c, req, n, &cm, "spawn") < 0) return;
+	/* initial stdin: read whole (bounded) now, written by the supervisor */
+	uint8_t *in = NULL, type;
+	size_t in_len = 0;
+	uint32_t len;
+	for (;;) {
+		if (read_frame(c, &type, data_buf, &len) < 0) _exit(0);
+		if (type == 'Z') break;
+		if (in_len + len > MAX_FRAME) {
+			send_err(c, EINVAL, "spawn: stdin over %u bytes: write the rest with proc_stdin", MAX_FRAME);
+			return;
+		}
+		uint8_t *ni = realloc(in, in_len + len);
+		if (!ni) _exit(1);
+		memcpy((in = ni) + in_len, data_buf, len);
+		in_len += len;
+	}
+	if (!*run_dir || !spawn_ctr) {
+		send_err(c, EROFS, "spawn: the agent found no writable directory for process supervisors");
+		return;
+	}
+	evict_finished();
+	char id[24];
+	snprintf(id, sizeof id, "p%llu", (unsigned long long)__atomic_add_fetch(spawn_ctr, 1, __ATOMIC_SEQ_CST));
+	int rep[2];
+	if (pipe2(rep, O_CLOEXEC) < 0) {
+		send_err(c, errno, "spawn: pipe: %s", strerror(errno));
+		return;
+	}
+	pid_t sp = fork();
+	if (sp < 0) {
+		send_err(c, errno, "spawn: fork: %s (process limit reached?)", strerror(errno));
+		return;
+	}
+	if (sp == 0) {
+		close(c);
+		close(rep[0]);
+		start_supervisor(&cm, id, in, in_len, rep[1]);
+		_exit(0);
+	}
+	close(rep[1]);
+	uint8_t msg[8 + 512];
+	size_t got = 0;
+	ssize_t r;
+	while (got < sizeof msg && ((r = read(rep[0], msg + got, sizeof msg - got)) > 0 || (r < 0 && errno == EINTR)))
+		if (r > 0) got += (size_t)r;
+	close(rep[0]);
+	int e = got >= 8 ? (int)get32(msg) : EIO;
+	if (e) {
+		waitpid(sp, NULL, 0);
+		if (got > 8) send_err(c, e, "%.*s", (int)(got - 8), (const char *)msg + 8);
+		else send_err(c, e, "spawn: the supervisor died while starting");
+		return;
+	}
+	relay_simple(c, id, 'q', NULL, 0);
+}
+
+/* Client data frames into the process's stdin pipe, which its supervisor hands us. */
+static void op_proc_stdin(int c, const char *id)
+{
+	char cbuf[CMSG_SPACE(sizeof(int))];
+	uint8_t hdr[5], type;
+	uint32_t len;
+	int fd = -1, s = sup_open(c, id, 'i', NULL, 0);
+	if (s < 0) return;
+	struct pollfd pw[2] = {{.fd = s, .events = POLLIN}, {.fd = c, .events = POLLIN}};
+	while (!(pw[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+		if (poll(pw, 2, -1) < 0 && errno != EINTR) break;
+		if (pw[1].revents & (POLLHUP | POLLERR)) client_gone();
+		pw[1].events = pw[1].revents ? 0 : POLLIN; /* data frames are waiting: fine */
+	}
+	struct iovec iov = {.iov_base = hdr, .iov_len = 5};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+			    .msg_controllen = sizeof cbuf};
+	ssize_t k = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+	struct cmsghdr *cm = k > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
+	if (cm && cm->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+	if (k == 5 && hdr[4] == 'E') {
+		uint32_t n = get32(hdr);
+		if (n <= MAX_FRAME && read_full(s, data_buf, n) == 0) send_frame(c, 'E', data_buf, n);
+		close(s);
+		return;
+	}
+	close(s);
+	if (k != 5 || hdr[4] != 'K' || fd < 0) {
+		send_err(c, ENOENT, "process '%s' was removed (or its supervisor died) during the call", id);
+		return;
+	}
+	int e = 0;
+	fcntl(fd, F_SETFL, O_NONBLOCK);
+	for (;;) {
+		if (read_frame(c, &type, data_buf, &len) < 0) _exit(0);
+		if (type == 'Z') break;
+		for (uint32_t done = 0; !e && done < len;) {
+			ssize_t w = write(fd, data_buf + done, len - done);
+			if (w > 0) {
+				done += (uint32_t)w;
+			} else if (w < 0 && errno == EAGAIN) {
+				/* the process is not reading: wait, but not past the idle bound */
+				struct pollfd p[2] = {{.fd = fd, .events = POLLOUT}, {.fd = c, .events = 0}};
+				if (poll(p, 2, IDLE_TIMEOUT_S * 1000) == 0) e = ETIMEDOUT;
+				if (p[1].revents & (POLLHUP | POLLERR)) client_gone();
+			} else if (w < 0 && errno != EINTR) {
+				e = errno;
+			}
+		}
+	}
+	close(fd);
+	if (e == EPIPE) send_err(c, EPIPE, "process %s closed its stdin (or ended)", id);
+	else if (e) send_err(c, e, "stdin of process %s: %s", id, strerror(e));
+	else send_frame(c, 'K', NULL, 0);
+}
+
+/* Output from an offset: 'O' frames, then 'Z'. With `follow`, new output is
+ * streamed until the process ends (and its output up to then is sent) or the
+ * timeout passes. */
+static void op_proc_output(int c, const char *id, int stream, uint64_t offset, int follow, int has_t,
+			   uint64_t tmo)
+{
+	uint64_t deadline = has_t ? now_ns() + tmo * 1000000u : 0, target = 0;
+	for (int first = 1;; first = 0) {
+		uint8_t q[64], at;
+		uint32_t alen;
+		size_t qn = put_u64_field(q, 'S', (uint64_t)stream);
+		qn += put_u64_field(q + qn, 'F', offset);
+		int s = sup_open(c, id, 'o', q, qn);
+		if (s < 0) return;
+		int bad = sup_answer(c, s, id, &at, data_buf, &alen) < 0;
+		close(s);
+		if (bad) return;
+		if (at != 'O' || alen < 33) {
+			send_frame(c, at, data_buf, alen);
+			return;
+		}
+		uint64_t next = ((uint64_t)get32(data_buf + 8) << 32) | get32(data_buf + 12);
+		uint64_t total = ((uint64_t)get32(data_buf + 24) << 32) | get32(data_buf + 28);
+		uint8_t flags = data_buf[32];
+		if (first) target = total;
+		if (alen > 33 || first) send_frame(c, 'O', data_buf, alen);
+		offset = next;
+		uint64_t now = now_ns();
+		if (deadline && now >= deadline) break;
+		if (alen > 33 && (follow || offset < target)) continue;
+		if (!follow || (flags & 3)) break;
+		/* nothing new: park at the supervisor until there is */
+		qn += put_u64_field(q + qn, 't', deadline ? (deadline - now) / 1000000u + 1 : 0);
+		s = sup_open(c, id, 'n', q, deadline ? qn : qn - 13);
+		if (s < 0) return;
+		bad = sup_answer(c, s, id, &at, data_buf, &alen) < 0;
+		close(s);
+		if (bad) return;
+	}
+	send_frame(c, 'Z', NULL, 0);
+}
+
+static void op_proc(int c, uint8_t type, const uint8_t *req, uint32_t n)
+{
+	struct field f;
+	uint32_t off = 0;
+	char *id = NULL;
+	uint64_t stream = 1, offset = 0, follow = 0, tmo = 0;
+	int r, has_t = 0;
+	while ((r = next_field(req, n, &off, &f)) > 0) {
+		if (f.tag == 'i' && !(id = field_str(&f))) r = -1;
+		if (r < 0) break;
+		if (f.tag == 'S') stream = field_u64(&f);
+		if (f.tag == 'F') offset = field_u64(&f);
+		if (f.tag == 'f') follow = field_u64(&f);
+		if (f.tag == 't') tmo = field_u64(&f), has_t = 1;
+	}
+	if (r < 0 || !id || !valid_id(id)) {
+		send_err(c, ENOENT, "no process '%s' in this sandbox (ids look like p1, p2, ...)", id ? id : "");
+		return;
+	}
+	switch (type) {
+	case 'i': op_proc_stdin(c, id); break;
+	case 'o':
+		if (stream != 1 && stream != 2) {
+			send_err(c, EINVAL, "proc_output: stream must be 1 (stdout) or 2 (stderr)");
+			break;
+		}
+		op_proc_output(c, id, (int)stream, offset, follow != 0, has_t, tmo);
+		break;
+	default: relay_simple(c, id, type, req, n);
+	}
+}
+
 static void handle(int c)
 {
 	struct timeval tv = {IDLE_TIMEOUT_S, 0};
@@ -725,6 +1867,18 @@ static void handle(int c)
 	}
 	if (type == 'x') {
 		op_exec(c, req_buf, len);
+		return;
+	}
+	if (type == 'S') {
+		op_spawn(c, req_buf, len);
+		return;
+	}
+	if (type == 'L') {
+		op_proc_list(c);
+		return;
+	}
+	if (strchr("WkiIoR", type) && type) {
+		op_proc(c, type, req_buf, len);
 		return;
 	}
 	struct field f;
@@ -755,47 +1909,31 @@ static void handle(int c)
 
 /* ------------------------------------------------------------------ PID 1 */
 
-static void reap(void)
-{
-	got_chld = 0;
-	while (waitpid(-1, NULL, WNOHANG) > 0) {
-	}
-}
-
-/* Kills direct children (and their groups) until none is left; orphans of
- * killed ones come back to us as subreaper and go in the next round. */
+/* Everything below us goes: handlers, supervisors and all they started. */
 static void kill_all(void)
 {
 	if (getpid() == 1) kill(-1, SIGKILL);
-	for (int round = 0; round < 300; round++) {
-		int found = 0;
-		DIR *d = opendir("/proc");
-		struct dirent *de;
-		while (d && (de = readdir(d))) {
-			char p[64], buf[512];
-			int pid = atoi(de->d_name);
-			if (pid <= 0) continue;
-			snprintf(p, sizeof p, "/proc/%d/stat", pid);
-			int fd = open(p, O_RDONLY | O_CLOEXEC);
-			if (fd < 0) continue;
-			ssize_t n = read(fd, buf, sizeof buf - 1);
-			close(fd);
-			if (n <= 0) continue;
-			buf[n] = 0;
-			char *rp = strrchr(buf, ')');
-			int ppid = 0;
-			char state = 0;
-			if (rp && sscanf(rp + 1, " %c %d", &state, &ppid) == 2 && ppid == getpid()) {
-				found++;
-				kill(-pid, SIGKILL);
-				kill(pid, SIGKILL);
-			}
-		}
-		if (d) closedir(d);
-		reap();
-		if (!found) return;
-		usleep(5000);
-	}
+	kill_tree();
+}
+
+static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw)
+{
+	(void)st;
+	if (ftw->level == 0) return 0;
+	return flag == FTW_DP ? rmdir(p) : unlink(p);
+}
+
+/* The supervisors' directory: ours alone (0700, our uid, not a symlink).
+ * Only mkdir/lstat here: PID 1 must not grow a heap. */
+static int make_run_dir(const char *path)
+{
+	struct stat st;
+	if (strlen(path) + 24 > sizeof run_dir) return -1; /* sockets must fit sun_path */
+	if (mkdir(path, 0700) < 0 && errno != EEXIST) return -1;
+	if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() || chmod(path, 0700) < 0)
+		return -1;
+	strcpy(run_dir, path);
+	return 0;
 }
 
 static int listen_on(const char *path)
@@ -826,7 +1964,7 @@ static void serve(int ls)
 	static uint8_t sink[4096];
 	int nd = 0;
 	for (;;) {
-		if (got_chld) reap();
+		if (got_chld) reap_kids();
 		if (got_term) return;
 		p[0] = (struct pollfd){.fd = ls, .events = POLLIN};
 		p[1] = (struct pollfd){.fd = handoff[0], .events = POLLIN};
@@ -885,13 +2023,13 @@ static void serve(int ls)
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: sandfleet-agent (--socket PATH | --listen-fd N) [--workdir DIR]\n");
+	fprintf(stderr, "usage: sandfleet-agent (--socket PATH | --listen-fd N) [--workdir DIR] [--run-dir DIR]\n");
 	exit(2);
 }
 
 int main(int argc, char **argv)
 {
-	const char *workdir = NULL;
+	const char *workdir = NULL, *rundir_arg = NULL;
 	int ls = -1;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock_path = argv[++i];
@@ -899,6 +2037,8 @@ int main(int argc, char **argv)
 		 * then no socket file needs to be visible inside the sandbox */
 		else if (!strcmp(argv[i], "--listen-fd") && i + 1 < argc) ls = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--workdir") && i + 1 < argc) workdir = argv[++i];
+		/* where supervisors of spawned processes listen (default: see below) */
+		else if (!strcmp(argv[i], "--run-dir") && i + 1 < argc) rundir_arg = argv[++i];
 		else if (!strcmp(argv[i], "--version")) return puts("sandfleet-agent " VERSION) < 0;
 		else usage();
 	}
@@ -912,6 +2052,22 @@ int main(int argc, char **argv)
 	}
 	main_pid = getpid();
 	if (main_pid != 1) prctl(PR_SET_CHILD_SUBREAPER, 1);
+	/* PID 1 of a sandbox: /run/sandfleet, or /tmp if the rootfs is read-only there.
+	 * An ordinary process (tests, several agents on one host): a directory of its own. */
+	char own[64];
+	snprintf(own, sizeof own, "/tmp/.sandfleet-run.%d", (int)main_pid);
+	if (rundir_arg) {
+		if (make_run_dir(rundir_arg) < 0) {
+			fprintf(stderr, "sandfleet-agent: --run-dir %s: unusable (%s)\n", rundir_arg, strerror(errno));
+			return 2;
+		}
+	} else if (main_pid == 1) {
+		if (make_run_dir("/run/sandfleet") < 0) make_run_dir("/tmp/.sandfleet-run");
+	} else {
+		make_run_dir(own);
+	}
+	void *shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (shared != MAP_FAILED) spawn_ctr = shared;
 
 	struct sigaction sa = {.sa_handler = on_signal};
 	sigemptyset(&sa.sa_mask);
@@ -946,5 +2102,10 @@ int main(int argc, char **argv)
 	close(ls);
 	if (sock_path) unlink(sock_path);
 	kill_all();
+	/* supervisors were killed: their sockets and markers stay behind */
+	if (*run_dir) {
+		nftw(run_dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+		if (!rundir_arg) rmdir(run_dir);
+	}
 	return 0;
 }

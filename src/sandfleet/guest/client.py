@@ -17,7 +17,14 @@ from typing import Any
 
 from sandfleet.guest import protocol as p
 from sandfleet.wire.errors import DeadlineExceeded, Internal, SandfleetError, Unavailable
-from sandfleet.wire.models import ExecRequest, ExecResult, FileEntry
+from sandfleet.wire.models import (
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    OutputChunk,
+    ProcessInfo,
+    SpawnRequest,
+)
 
 __all__ = ["AgentClient", "OutputCallback"]
 
@@ -311,6 +318,173 @@ class AgentClient:
         async with self._connect("mkdir") as conn:
             await conn.send(p.frame(p.OP_MKDIR, p.encode_fields(fields)))
             return await self._entry(conn, "mkdir", path)
+
+    # ------------------------------------------------------------------ spawned processes
+
+    async def _process(self, conn: _Conn, op: str, idle_s: float | None) -> ProcessInfo:
+        ftype, payload = await conn.recv(idle_s)
+        if ftype == p.PROCESS:
+            return p.decode_process(payload)
+        if ftype == p.ERROR:
+            raise p.decode_error(payload, in_exec=op == "spawn")
+        raise self._unexpected(op, ftype)
+
+    async def _ok(self, conn: _Conn, op: str) -> None:
+        ftype, payload = await conn.recv(self.io_timeout_s)
+        if ftype == p.ERROR:
+            raise p.decode_error(payload)
+        if ftype != p.OK:
+            raise self._unexpected(op, ftype)
+
+    async def spawn(self, req: SpawnRequest) -> ProcessInfo:
+        """Start a background process and return at once (state ``running``).
+
+        It outlives this connection; address it by ``info.id``. Raises
+        :class:`InvalidArgument` (bad cwd, unknown user), :class:`PermissionDenied`
+        (the sandbox cannot switch users), :class:`FailedPrecondition` (process limit).
+        """
+        head = p.encode_spawn(req)
+        async with self._connect("spawn") as conn:
+            await conn.send(head)
+            await conn.send_data(req.stdin)
+            return await self._process(conn, "spawn", self.io_timeout_s)
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        """Every spawned process not yet removed, running or finished, by id."""
+        out: list[ProcessInfo] = []
+        async with self._connect("list_processes") as conn:
+            await conn.send(p.frame(p.OP_PROC_LIST))
+            while True:
+                ftype, payload = await conn.recv(self.io_timeout_s)
+                if ftype == p.PROCESS:
+                    out.append(p.decode_process(payload))
+                elif ftype == p.END:
+                    return out
+                elif ftype == p.ERROR:
+                    raise p.decode_error(payload)
+                else:
+                    raise self._unexpected("list_processes", ftype)
+
+    async def wait_process(self, process_id: str, timeout_s: float | None = None) -> ProcessInfo:
+        """Block until the process ends, or ``timeout_s`` seconds pass (then its
+        state is still ``running``). Raises :class:`NotFound` for an unknown id."""
+        limit = None if timeout_s is None else timeout_s + self.margin_s
+        async with self._connect("wait_process") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_WAIT, process_id, p.timeout_ms(timeout_s)))
+            return await self._process(conn, "wait_process", limit)
+
+    async def kill_process(self, process_id: str, signal: int = 9) -> ProcessInfo:
+        """Send ``signal`` to the process and everything it started (also jobs it
+        left behind after ending). With SIGKILL the answer comes once all are gone."""
+        async with self._connect("kill_process") as conn:
+            await conn.send(
+                p.proc_op(p.OP_PROC_KILL, process_id, [(b"g", signal.to_bytes(8, "big"))])
+            )
+            return await self._process(conn, "kill_process", self.io_timeout_s)
+
+    async def write_stdin(self, process_id: str, data: bytes | AsyncIterable[bytes]) -> None:
+        """Write ``data`` to the process's stdin; returns once it is in the pipe.
+
+        Raises :class:`FailedPrecondition` if stdin is closed or the process ended.
+        """
+        async with self._connect("write_stdin") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_STDIN, process_id))
+            # the answer may come early (an error): read it while sending
+            sender = asyncio.create_task(conn.send_data(data))
+            try:
+                await self._ok(conn, "write_stdin")
+            finally:
+                if not sender.done():
+                    sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+
+    async def close_stdin(self, process_id: str) -> None:
+        """Close the process's stdin (it reads EOF once earlier input is consumed)."""
+        async with self._connect("close_stdin") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_CLOSE_STDIN, process_id))
+            await self._ok(conn, "close_stdin")
+
+    async def read_output(
+        self, process_id: str, stream: str = "stdout", offset: int = 0
+    ) -> OutputChunk:
+        """The output retained from ``offset`` up to now.
+
+        ``dropped`` counts bytes after ``offset`` lost to the retention bound;
+        continue from ``next_offset``.
+        """
+        fields = [p.stream_field(stream), (b"F", offset.to_bytes(8, "big"))]
+        data = bytearray()
+        first: OutputChunk | None = None
+        last: OutputChunk | None = None
+        async with self._connect("read_output") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_OUTPUT, process_id, fields))
+            while True:
+                ftype, payload = await conn.recv(self.io_timeout_s)
+                if ftype == p.OUTPUT:
+                    last = p.decode_output(payload)
+                    first = first or last
+                    data += last.data
+                elif ftype == p.END:
+                    break
+                elif ftype == p.ERROR:
+                    raise p.decode_error(payload)
+                else:
+                    raise self._unexpected("read_output", ftype)
+        if first is None or last is None:
+            raise Internal("agent answered read_output without any output frame")
+        return OutputChunk(
+            data=bytes(data),
+            offset=first.offset,
+            next_offset=last.next_offset,
+            dropped=first.dropped,
+            eof=last.eof,
+        )
+
+    async def follow_output(
+        self,
+        process_id: str,
+        stream: str = "stdout",
+        offset: int = 0,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[OutputChunk]:
+        """Yield output from ``offset`` as it comes, until the process has ended
+        and all its output up to then was yielded, or ``timeout_s`` passes.
+
+        Each chunk's ``dropped`` counts bytes lost before it (a slow reader
+        falls behind the retention bound). Close early with ``contextlib.aclosing``.
+        """
+        fields = [
+            p.stream_field(stream),
+            (b"F", offset.to_bytes(8, "big")),
+            (b"f", b"\x01"),
+            *p.timeout_ms(timeout_s),
+        ]
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s + self.margin_s
+        async with self._connect("follow_output") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_OUTPUT, process_id, fields))
+            while True:
+                # bound each wait, not the whole body: a timeout scope must not
+                # stay open across a yield
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                ftype, payload = await conn.recv(left)
+                if ftype == p.OUTPUT:
+                    chunk = p.decode_output(payload)
+                    if chunk.data or chunk.dropped:
+                        yield chunk
+                elif ftype == p.END:
+                    return
+                elif ftype == p.ERROR:
+                    raise p.decode_error(payload)
+                else:
+                    raise self._unexpected("follow_output", ftype)
+
+    async def remove_process(self, process_id: str) -> None:
+        """Forget a finished process and its output. Raises :class:`FailedPrecondition`
+        while it runs (kill or wait first) and :class:`NotFound` for an unknown id."""
+        async with self._connect("remove_process") as conn:
+            await conn.send(p.proc_op(p.OP_PROC_REMOVE, process_id))
+            await self._ok(conn, "remove_process")
 
     async def _entry(self, conn: _Conn, op: str, path: str) -> FileEntry:
         ftype, payload = await conn.recv(self.io_timeout_s)

@@ -14,19 +14,80 @@ Op frames (node -> agent) and their fields:
 - ``p`` ping -> ``K`` with fields ``v`` version, ``p`` pid (decimal).
 - ``x`` exec: ``a`` argv item (repeated) or ``c`` shell string (``/bin/sh -c``),
   ``e`` ``KEY=VALUE`` (repeated), ``d`` cwd, ``t`` timeout ms (u64), ``o``
-  output cap per stream (u64); then stdin as ``D``... ``Z``. Answer: ``1``
-  stdout / ``2`` stderr frames while the command runs, then ``X``:
+  output cap per stream (u64), ``u`` user, ``g`` kill grace ms (u64); then
+  stdin as ``D``... ``Z``. Answer: ``1`` stdout / ``2`` stderr frames while
+  the command runs, then ``X``:
   ``u8 status (0 exited, 1 signaled, 2 timeout) | i32 exit code | i32 signal |
   u64 stdout dropped | u64 stderr dropped | u64 duration ns``.
   Output cap: the first ceil(cap/2) bytes of a stream are streamed live, the
   last floor(cap/2) are kept in a ring and sent just before ``X``; the middle
   is dropped and counted. Concatenating the ``1`` frames gives head + tail.
+
+  Process tree: the handler is a child subreaper, so every descendant stays
+  below it even after ``setsid()``/``setpgid()`` or a double fork. At the
+  timeout (or when the client goes away) it SIGKILLs the command's group,
+  then every process whose parent chain leads to it (from ``/proc/*/stat``),
+  repeating until none is left (bounded, ~2 s) and reaping them. With a grace
+  ``g``, SIGTERM goes to the same tree first and SIGKILL ``g`` ms later (or
+  as soon as the main process exits). When the command exits by itself its
+  background jobs keep running and pass to PID 1, which reaps them.
+
+  User ``u``: ``name``, ``uid``, or ``user:group`` (names or numbers), resolved
+  from the sandbox's own ``/etc/passwd`` and ``/etc/group`` (no NSS). The
+  child calls setgroups (every group listing the user; only the given group
+  with ``user:group``), setgid, setuid, and gets HOME, USER, LOGNAME (request
+  env wins). A uid without a passwd entry gets gid = uid and HOME=/. Errors:
+  ``EINVAL`` unknown user or group; ``EPERM`` when the sandbox lacks
+  CAP_SETUID/CAP_SETGID (same uid and gid as the agent need no capability).
 - ``r`` read ``P`` path -> ``D`` chunks (256 KiB) then ``Z``.
 - ``w`` write ``P`` path, ``M`` mode (u32); then ``D``... ``Z`` -> ``F``.
   Atomic: a temp file in the same directory, renamed over the path.
 - ``l`` list ``P`` -> ``F`` per entry, then ``Z``. ``s`` stat (lstat) ``P`` -> ``F``.
 - ``u`` remove ``P``, ``R`` recursive (u8) -> ``K``.
 - ``m`` mkdir ``P``, ``R`` parents (u8), ``M`` mode -> ``F``.
+
+Background processes (spawn). Each spawned process gets a *supervisor*: a
+process forked by the handler (so neither PID 1 nor in PID 1's memory), a
+subreaper in its own session, that owns the process, its pipes and the last
+``o`` bytes of each stream, and listens on ``<run dir>/<id>`` (run dir: 0700,
+``/run/sandfleet``, else ``/tmp/.sandfleet-run``; for an agent that is not
+PID 1 ``/tmp/.sandfleet-run.<pid>``; ``--run-dir`` overrides). Handlers relay
+the requests below to it. The process outlives the client's connection; its
+record and output stay readable after it ends, until ``R`` or until more
+than 64 finished processes exist (the oldest go first). Ids are ``p1``,
+``p2``, ... unique for the agent's lifetime. Requests naming an unknown or
+removed id answer ``E`` with ``ENOENT``.
+
+- ``S`` spawn: the exec fields (``t`` optional: absent = no timeout; ``o``
+  default 4 MiB, kept per stream) plus ``n`` close stdin after the initial
+  stdin (u8); then the initial stdin (at most 4 MiB) as ``D``... ``Z``.
+  Answer ``P``. stdin stays open otherwise (see ``i``/``I``).
+- ``L`` list -> ``P`` per process (by id), then ``Z``.
+- ``W`` wait: ``i`` id, ``t`` timeout ms (absent = no limit) -> ``P`` when it
+  ends or at the timeout (then still ``running``).
+- ``k`` kill: ``i``, ``g`` signal (default 9) -> ``P``. The signal goes to the
+  whole tree as for exec timeouts, also to background jobs left after the
+  main process ended; for SIGKILL the answer comes after the tree is gone.
+- ``i`` stdin: ``i``; then ``D``... ``Z`` -> ``K``; ``E`` ``EPIPE`` if stdin
+  is closed or the process ended.
+- ``I`` close stdin: ``i`` -> ``K``.
+- ``o`` output: ``i``, ``S`` stream (1 stdout, 2 stderr), ``F`` offset (u64),
+  ``f`` follow (u8), ``t`` timeout ms -> ``O`` frames then ``Z``. ``O``:
+  ``u64 offset | u64 next offset | u64 dropped | u64 total | u8 flags | data``;
+  data starts at max(requested, oldest retained) and ``dropped`` counts the
+  bytes in between; flags bit 0: the stream is closed and fully read, bit 1:
+  the process has ended. Without follow, the bytes up to the total at the
+  call's start (the first frame always comes, maybe empty). With follow, new
+  output streams until the process has ended and its output up to then is
+  sent, or the timeout passes.
+- ``R`` remove: ``i`` -> ``K``; ``E`` ``EBUSY`` while it runs. Background
+  jobs it left keep running.
+
+``P`` record (TLV): ``i`` id, ``p`` pid (u64), ``c`` command (at most 1 KiB),
+``s`` state (u8: 0 running, 1 exited, 2 signaled, 3 killed (by ``k``), 4
+timeout), ``x`` exit code (u64, exited), ``g`` signal (u64, signaled/killed),
+``b`` start and ``n`` end (u64 Unix ns), ``O``/``R`` stdout/stderr bytes
+written in all (u64), ``I`` stdin open (u64).
 
 ``F`` entry: ``u8 type (0 file, 1 dir, 2 symlink, 3 other) | u64 size |
 u32 mode (permission bits) | u64 mtime ns | name bytes``.
@@ -52,7 +113,16 @@ from sandfleet.wire.errors import (
     PermissionDenied,
     SandfleetError,
 )
-from sandfleet.wire.models import ExecRequest, ExecResult, ExecStatus, FileEntry
+from sandfleet.wire.models import (
+    ExecRequest,
+    ExecResult,
+    ExecStatus,
+    FileEntry,
+    OutputChunk,
+    ProcessInfo,
+    ProcessState,
+    SpawnRequest,
+)
 
 __all__ = [
     "CHUNK",
@@ -60,11 +130,17 @@ __all__ = [
     "decode_entry",
     "decode_error",
     "decode_fields",
+    "decode_output",
+    "decode_process",
     "decode_result",
     "encode_exec",
     "encode_fields",
+    "encode_spawn",
     "frame",
     "path_field",
+    "proc_op",
+    "stream_field",
+    "timeout_ms",
 ]
 
 MAX_FRAME = 4 << 20
@@ -74,14 +150,19 @@ CHUNK = 256 << 10
 
 OP_PING, OP_EXEC, OP_READ, OP_WRITE = b"p", b"x", b"r", b"w"
 OP_LIST, OP_STAT, OP_REMOVE, OP_MKDIR = b"l", b"s", b"u", b"m"
+OP_SPAWN, OP_PROC_LIST, OP_PROC_WAIT, OP_PROC_KILL = b"S", b"L", b"W", b"k"
+OP_PROC_STDIN, OP_PROC_CLOSE_STDIN, OP_PROC_OUTPUT, OP_PROC_REMOVE = b"i", b"I", b"o", b"R"
 DATA, END, OK, ERROR, ENTRY, RESULT = b"D", b"Z", b"K", b"E", b"F", b"X"
-STDOUT, STDERR = b"1", b"2"
+STDOUT, STDERR, PROCESS, OUTPUT = b"1", b"2", b"P", b"O"
 
 _HEADER = struct.Struct(">IB")
 _RESULT = struct.Struct(">BiiQQQ")
 _ENTRY = struct.Struct(">BQIQ")
 _TYPES = ("file", "dir", "symlink", "other")
 _STATUS: tuple[ExecStatus, ...] = ("exited", "signaled", "timeout")
+_STATES: tuple[ProcessState, ...] = ("running", "exited", "signaled", "killed", "timeout")
+_OUTPUT = struct.Struct(">QQQQB")
+_STREAMS = {"stdout": 1, "stderr": 2}
 
 
 def frame(ftype: bytes, payload: bytes = b"") -> bytes:
@@ -120,8 +201,12 @@ def path_field(path: str) -> tuple[bytes, bytes]:
     return (b"P", _c_string(f"path {path!r}", path))
 
 
-def encode_exec(req: ExecRequest) -> bytes:
-    """The ``x`` op frame for ``req`` (stdin is sent separately as data frames)."""
+def _u64(value: int) -> bytes:
+    return value.to_bytes(8, "big")
+
+
+def _command_fields(req: ExecRequest | SpawnRequest) -> list[tuple[bytes, bytes]]:
+    """Fields exec and spawn share: command, env, cwd, user, output cap, grace."""
     fields: list[tuple[bytes, bytes]] = []
     if isinstance(req.cmd, str):
         fields.append((b"c", _c_string("command", req.cmd)))
@@ -135,15 +220,103 @@ def encode_exec(req: ExecRequest) -> bytes:
         fields.append((b"e", _c_string(f"env {key}", f"{key}={value}")))
     if req.cwd is not None:
         fields.append((b"d", _c_string("cwd", req.cwd)))
-    fields.append((b"t", max(1, round(req.timeout_s * 1000)).to_bytes(8, "big")))
-    fields.append((b"o", req.max_output_bytes.to_bytes(8, "big")))
+    if req.user is not None:
+        if not req.user:
+            raise InvalidArgument("user is empty: give a name, a uid or uid:gid, or None")
+        fields.append((b"u", _c_string("user", req.user)))
+    if req.kill_grace_ms:
+        fields.append((b"g", _u64(req.kill_grace_ms)))
+    fields.append((b"o", _u64(req.max_output_bytes)))
+    return fields
+
+
+def _op(op: bytes, fields: list[tuple[bytes, bytes]]) -> bytes:
     payload = encode_fields(fields)
     if len(payload) > MAX_FRAME:
         raise InvalidArgument(
             f"command and env take {len(payload)} bytes, over the {MAX_FRAME} byte limit: "
             "pass large inputs as stdin or a file"
         )
-    return frame(OP_EXEC, payload)
+    return frame(op, payload)
+
+
+def encode_exec(req: ExecRequest) -> bytes:
+    """The ``x`` op frame for ``req`` (stdin is sent separately as data frames)."""
+    fields = _command_fields(req)
+    fields.append((b"t", _u64(max(1, round(req.timeout_s * 1000)))))
+    return _op(OP_EXEC, fields)
+
+
+def encode_spawn(req: SpawnRequest) -> bytes:
+    """The ``S`` op frame for ``req`` (initial stdin follows as data frames)."""
+    if len(req.stdin) > MAX_FRAME:
+        raise InvalidArgument(
+            f"spawn stdin is {len(req.stdin)} bytes, over {MAX_FRAME}: write the rest "
+            "with write_stdin"
+        )
+    fields = _command_fields(req)
+    if req.timeout_s is not None:
+        fields.append((b"t", _u64(max(1, round(req.timeout_s * 1000)))))
+    if req.close_stdin:
+        fields.append((b"n", b"\x01"))
+    return _op(OP_SPAWN, fields)
+
+
+def timeout_ms(timeout_s: float | None) -> list[tuple[bytes, bytes]]:
+    """The ``t`` field for a wait bound in seconds; none for None (no bound)."""
+    if timeout_s is None:
+        return []
+    if timeout_s < 0:
+        raise InvalidArgument(f"timeout_s is {timeout_s}: give a duration >= 0, or None")
+    return [(b"t", _u64(round(timeout_s * 1000)))]
+
+
+def proc_op(op: bytes, process_id: str, fields: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
+    """An op frame about spawned process ``process_id`` (``i`` field first)."""
+    return frame(op, encode_fields([(b"i", _c_string("process id", process_id)), *fields]))
+
+
+def stream_field(stream: str) -> tuple[bytes, bytes]:
+    """The ``S`` field: ``stdout`` or ``stderr``."""
+    if stream not in _STREAMS:
+        raise InvalidArgument(f"stream is {stream!r}: use 'stdout' or 'stderr'")
+    return (b"S", _u64(_STREAMS[stream]))
+
+
+def _int(fields: dict[str, bytes], tag: str) -> int | None:
+    raw = fields.get(tag)
+    return int.from_bytes(raw, "big") if raw is not None else None
+
+
+def decode_process(payload: bytes) -> ProcessInfo:
+    """Build a :class:`ProcessInfo` from a ``P`` record."""
+    f = decode_fields(payload)
+    ended = _int(f, "n")
+    return ProcessInfo(
+        id=f["i"].decode(),
+        pid=_int(f, "p") or 0,
+        command=f.get("c", b"").decode("utf-8", "replace"),
+        state=_STATES[f["s"][0]],
+        exit_code=_int(f, "x"),
+        signal=_int(f, "g"),
+        started_at=(_int(f, "b") or 0) / 1e9,
+        ended_at=ended / 1e9 if ended is not None else None,
+        stdout_bytes=_int(f, "O") or 0,
+        stderr_bytes=_int(f, "R") or 0,
+        stdin_open=bool(_int(f, "I")),
+    )
+
+
+def decode_output(payload: bytes) -> OutputChunk:
+    """Build an :class:`OutputChunk` from an ``O`` frame."""
+    offset, next_offset, dropped, _total, flags = _OUTPUT.unpack_from(payload)
+    return OutputChunk(
+        data=payload[_OUTPUT.size :],
+        offset=offset,
+        next_offset=next_offset,
+        dropped=dropped,
+        eof=bool(flags & 1),
+    )
 
 
 def decode_result(payload: bytes, stdout: bytes, stderr: bytes) -> ExecResult:
@@ -205,6 +378,10 @@ def decode_error(payload: bytes, in_exec: bool = False) -> SandfleetError:
         return PermissionDenied(msg)
     if err in _HINTS:
         return InvalidArgument(f"{msg} ({_HINTS[err]})")
+    if err == errno.EBUSY:
+        return FailedPrecondition(msg)
+    if err == errno.EPIPE:
+        return FailedPrecondition(f"{msg}; spawn a new process to send more input")
     if err in (errno.ENOSPC, errno.EDQUOT):
         return FailedPrecondition(
             f"{msg}: no space left on device; free space in the sandbox or ask for a bigger disk"

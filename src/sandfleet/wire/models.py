@@ -33,8 +33,12 @@ __all__ = [
     "NodeHeartbeat",
     "NodeInfo",
     "NodeRegistration",
+    "OutputChunk",
+    "ProcessInfo",
+    "ProcessState",
     "SandboxInfo",
     "SandboxState",
+    "SpawnRequest",
     "WireModel",
     "WireResponse",
 ]
@@ -45,6 +49,7 @@ KINDS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
 BUILT_KINDS: tuple[str, ...] = ("container",)
 
 ExecStatus = Literal["exited", "signaled", "timeout", "oom"]
+ProcessState = Literal["running", "exited", "signaled", "killed", "timeout"]
 SandboxState = Literal["creating", "running", "destroying", "destroyed", "failed"]
 LayerKind = Literal["base", "toolkit", "workspace", "diff"]
 
@@ -143,6 +148,78 @@ class ExecRequest(WireModel):
     max_output_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Cap on captured stdout and stderr each, bytes."
     )
+    user: str | None = Field(
+        None,
+        description="Run as this user of the sandbox's /etc/passwd: a name, a uid, or "
+        "'user:group' (names or numbers). None: the agent's own user (root).",
+    )
+    kill_grace_ms: int = Field(
+        0,
+        ge=0,
+        le=60_000,
+        description="At the timeout, SIGTERM the process tree and SIGKILL it this many "
+        "milliseconds later; 0: SIGKILL at once.",
+    )
+
+
+class SpawnRequest(WireModel):
+    """A background process: starts, returns at once, outlives the call.
+
+    Like :class:`ExecRequest`, but ``timeout_s`` is optional (None: no limit)
+    and output is kept per stream as the most recent ``max_output_bytes``
+    bytes, readable by absolute offset. ``stdin`` is written first; the pipe
+    then stays open for more (write_stdin) unless ``close_stdin``.
+    """
+
+    cmd: list[str] | str
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: B64Bytes = b""
+    close_stdin: bool = Field(False, description="Close stdin after writing `stdin`.")
+    user: str | None = None
+    timeout_s: float | None = Field(None, gt=0, le=30 * 86400)
+    max_output_bytes: int = Field(
+        4 * 1024 * 1024, ge=0, description="Bytes kept per stream (the most recent), bytes."
+    )
+    kill_grace_ms: int = Field(0, ge=0, le=60_000)
+
+
+class ProcessInfo(WireResponse):
+    """A spawned process as its supervisor reports it.
+
+    ``state``: ``running``; ``exited`` (see ``exit_code``); ``signaled`` (see
+    ``signal``); ``killed`` (ended by a signal after kill_process); ``timeout``
+    (killed at its deadline). Times are Unix seconds; ``*_bytes`` count all
+    output ever written, retained or not.
+    """
+
+    id: str
+    pid: int
+    command: str
+    state: ProcessState
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: float
+    ended_at: float | None = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdin_open: bool = False
+
+
+class OutputChunk(WireResponse):
+    """Output of a spawned process from an absolute byte offset.
+
+    ``data`` starts at ``offset`` (the requested offset, or the oldest byte
+    still retained); ``dropped`` bytes between the requested offset and
+    ``offset`` were lost to the retention bound; read on from ``next_offset``.
+    ``eof``: the stream is closed and everything has been read.
+    """
+
+    data: B64Bytes = b""
+    offset: int
+    next_offset: int
+    dropped: int = 0
+    eof: bool = False
 
 
 class ExecResult(WireResponse):

@@ -6,7 +6,7 @@ can share one (SQLite for one host, PostgreSQL for several).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from sandfleet.wire.models import NodeInfo, SandboxInfo, SandboxState
 
@@ -16,6 +16,10 @@ __all__ = ["Store"]
 class Store(Protocol):
     def put_node(self, node: NodeInfo) -> None:
         """Insert or replace a node record."""
+        ...
+
+    def patch_node(self, node_id: str, fields: dict[str, Any]) -> NodeInfo | None:
+        """Update some fields of a node record in one transaction; None if unknown."""
         ...
 
     def get_node(self, node_id: str) -> NodeInfo | None: ...

@@ -60,6 +60,19 @@ class SqlStore:
             c.execute(sa.delete(_nodes).where(_nodes.c.node_id == node.node_id))
             c.execute(sa.insert(_nodes).values(node_id=node.node_id, doc=node.model_dump_json()))
 
+    def patch_node(self, node_id: str, fields: dict[str, Any]) -> NodeInfo | None:
+        with self._engine.begin() as c:
+            row = c.execute(sa.select(_nodes.c.doc).where(_nodes.c.node_id == node_id)).first()
+            if row is None:
+                return None
+            node = NodeInfo.model_validate_json(row[0]).model_copy(update=fields)
+            c.execute(
+                sa.update(_nodes)
+                .where(_nodes.c.node_id == node_id)
+                .values(doc=node.model_dump_json())
+            )
+        return node
+
     def get_node(self, node_id: str) -> NodeInfo | None:
         with self._engine.connect() as c:
             row = c.execute(sa.select(_nodes.c.doc).where(_nodes.c.node_id == node_id)).first()
