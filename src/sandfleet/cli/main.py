@@ -74,8 +74,12 @@ def up(
     node_id: str,
     keep: bool,
 ) -> None:
-    """Run a control plane and one node agent together on embedded defaults."""
-    from sandfleet.cli.serve import build_node_app, run_servers
+    """Run a control plane and one node agent together on embedded defaults.
+
+    The node agent runs as a child process (it dies with this one), so the two
+    event loops use two cores under burst load.
+    """
+    from sandfleet.cli.serve import run_servers, spawn_child
     from sandfleet.controlplane.app import create_app
 
     state, images = _dirs(state_dir, images_dir)
@@ -84,19 +88,18 @@ def up(
     cp = create_app(
         db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token
     )
-    node = build_node_app(
-        node_id=node_id,
-        state_dir=state,
-        images_dir=images,
-        token=token,
-        control_plane=cp_url,
-        advertise=f"http://{host}:{node_port}",
-        max_sandboxes=max_sandboxes,
-        memory_mb=None,
-        destroy_on_exit=not keep,
-    )
+    node_args = [
+        "node", "--state-dir", str(state), "--images-dir", str(images), "--node-id", node_id,
+        "--control-plane", cp_url, "--host", host, "--port", str(node_port),
+        "--max-sandboxes", str(max_sandboxes), "--keep" if keep else "--destroy-on-exit",
+    ]  # fmt: skip
     click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
-    run_servers([(cp, host, port), (node, host, node_port)])
+    node_proc = spawn_child(node_args, env={"SANDFLEET_TOKEN": token})
+    try:
+        run_servers([(cp, host, port)])
+    finally:
+        node_proc.terminate()
+        node_proc.wait()
 
 
 @cli.command()
@@ -143,6 +146,11 @@ def controlplane(
 @click.option("--advertise", default=None, help="URL the control plane reaches this node at.")
 @click.option("--max-sandboxes", default=1000, show_default=True)
 @click.option("--memory-mb", default=None, type=int, help="Memory to admit (MiB).")
+@click.option(
+    "--keep/--destroy-on-exit",
+    default=True,
+    help="Keep sandboxes running when stopping (the next node agent adopts them).",
+)
 def node(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -154,6 +162,7 @@ def node(
     advertise: str | None,
     max_sandboxes: int,
     memory_mb: int | None,
+    keep: bool,
 ) -> None:
     """Run a node agent that registers with a control plane."""
     from sandfleet.cli.serve import build_node_app, run_servers
@@ -168,7 +177,7 @@ def node(
         advertise=advertise or f"http://{host}:{port}",
         max_sandboxes=max_sandboxes,
         memory_mb=memory_mb,
-        destroy_on_exit=False,
+        destroy_on_exit=not keep,
     )
     run_servers([(app, host, port)])
 

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import uvicorn
 
 from sandfleet.wire.models import NodeCapacity, NodeRegistration
 
-__all__ = ["build_node_app", "run_servers"]
+__all__ = ["build_node_app", "free_port", "run_servers", "spawn_child"]
 
 
 class _Server(uvicorn.Server):
@@ -112,6 +114,23 @@ def _become_subreaper() -> None:
 
     pr_set_child_subreaper = 36
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def spawn_child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Run ``sandfleet ARGS`` as a child that gets SIGTERM if this process dies."""
+
+    def die_with_parent() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "sandfleet.cli", *args],
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

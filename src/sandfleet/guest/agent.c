@@ -142,9 +142,12 @@ static int signal_tree(int sig)
 		close(fd);
 		if (k <= 0) continue;
 		buf[k] = 0;
-		char *rp = strrchr(buf, ')'), state;
-		int ppid;
-		if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2) continue;
+		/* "pid (comm) S ppid ...": comm may hold ')', so parse after the last one
+		 * (by hand: sscanf would pull ~9 kB of scanf code into the binary) */
+		char *rp = strrchr(buf, ')'), *end;
+		if (!rp || rp[1] != ' ' || !rp[2] || rp[3] != ' ') continue;
+		int ppid = (int)strtol(rp + 4, &end, 10);
+		if (end == rp + 4) continue;
 		if (n == cap) {
 			struct pp *nt = realloc(t, (cap = cap ? cap * 2 : 256) * sizeof *t);
 			if (!nt) break;
