@@ -68,12 +68,14 @@ from sandfleet.guest.client import AgentClient
 from sandfleet.node.leaks import leftovers
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
 from sandfleet.sdk import AsyncClient, AsyncSandbox, Client
+from sandfleet.wire.errors import ResourceExhausted, Unavailable
 from sandfleet.wire.models import ExecRequest
 
 IMAGE = "sandfleet/bookworm-python:1"
 WORKSPACE = "workspace/more-itertools:10.5.0"
 MEMORY_MB = 64
 TRUE = ["true"]
+CREATE_ATTEMPTS = 30
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,17 @@ def cgroup_charge(sandbox_id: str) -> int:
     return 0
 
 
+def deployment_rss_kib(state: Path) -> int:
+    """VmRSS of the ``sandfleet up`` process (control plane + node agent) using ``state``."""
+    needle = f"--state-dir\0{state}\0".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    return proc_kib(int(entry.name), "status", "VmRSS")
+    return 0
+
+
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -184,13 +197,17 @@ class Bench:
         self.images = images
         self.counts = counts
         self.drop_caches = drop_caches
-        self.console = Console()
+        console = Console()
+        # piped output: wide enough for the summary table instead of rich's 80 columns
+        self.console = console if console.is_terminal else Console(width=170)
         self.dep = LocalDeployment(state, images)
         self.node_dir = state / "nodes" / self.dep.node_id / "container"
         self.ids: set[str] = set()  # every sandbox this run created (for the leak check)
         # Named so that leaks.leftovers covers them: it scans **/runc and **/sandboxes.
         self.runc_root = state / "bench" / "runc"
         self.runc_boxes: dict[str, Path] = {}
+        self.node_boxes: set[str] = set()  # created on the node directly, unknown to the CP
+        self.retries: list[str] = []  # create attempts refused and retried
         # summary rows: what, value, goal, method
         self.rows: list[tuple[str, str, str, str]] = []
         self.fig: dict[str, float] = {}
@@ -198,9 +215,23 @@ class Bench:
     # ------------------------------------------------------------------ plumbing
 
     async def create(self, client: AsyncClient) -> AsyncSandbox:
-        sb = await client.create(image=IMAGE, workspace=WORKSPACE, memory_mb=MEMORY_MB)
-        self.ids.add(sb.id)
-        return sb
+        """Create one sandbox; retried, as the SDK documents, on ResourceExhausted/Unavailable.
+
+        Retries are counted in ``self.retries`` (and reported): on this loaded 2-core
+        host the control plane now and then sees the node as unhealthy or full.
+        """
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                sb = await client.create(image=IMAGE, workspace=WORKSPACE, memory_mb=MEMORY_MB)
+            except (ResourceExhausted, Unavailable) as exc:
+                if attempt == CREATE_ATTEMPTS - 1:
+                    raise
+                self.retries.append(f"{type(exc).__name__}: {str(exc)[:100]}")
+                await asyncio.sleep(0.1)
+                continue
+            self.ids.add(sb.id)
+            return sb
+        raise AssertionError("unreachable")
 
     async def create_first_exec(self, client: AsyncClient) -> tuple[float, float, AsyncSandbox]:
         """Seconds for create and for the first exec, and the sandbox."""
@@ -241,7 +272,9 @@ class Bench:
                 await job(i)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        async with asyncio.TaskGroup() as tg:  # one failure cancels (and awaits) the rest
+            for _ in range(in_flight):
+                tg.create_task(worker())
         return time.perf_counter() - t0
 
     def row(self, what: str, value: str, goal: str, method: str) -> None:
@@ -301,7 +334,57 @@ class Bench:
                 "—",
                 method,
             )
+        # Breakdown: the same at 1 in flight straight to the node agent (no control plane).
+        n = self.counts.serial
+        creates, execs = await asyncio.to_thread(self.node_direct_creates, n)
+        totals = [c + e for c, e in zip(creates, execs, strict=True)]
+        t.add_row(
+            "1, node API",
+            str(n),
+            ms(pct(totals, 50)),
+            ms(pct(totals, 99)),
+            ms(pct(creates, 50)),
+            ms(pct(execs, 50)),
+            "",
+        )
         self.console.print(t)
+        self.row(
+            "create → first exec via the node API directly (1 in flight), p50 / p99",
+            f"{ms(pct(totals, 50))} / {ms(pct(totals, 99))}",
+            "—",
+            f"{n} sequential POST /v1/sandboxes + POST .../exec on the node (no control plane);"
+            f" create alone p50 {ms(pct(creates, 50))}",
+        )
+
+    def node_http(self) -> httpx.Client:
+        token = (self.state / "token").read_text().strip()
+        return httpx.Client(
+            base_url=f"http://127.0.0.1:{self.dep.node_port}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60.0,
+        )
+
+    def node_direct_creates(self, n: int) -> tuple[list[float], list[float]]:
+        """``n`` sequential create + exec ``true`` on the node's own API; seconds each."""
+        creates: list[float] = []
+        execs: list[float] = []
+        body = {"image": IMAGE, "workspace": WORKSPACE, "memory_mb": MEMORY_MB}
+        exec_body = ExecRequest(cmd=TRUE).model_dump(mode="json")
+        with self.node_http() as h:
+            for _ in range(n):
+                sid = f"sb-{secrets.token_hex(6)}-{self.dep.node_id}"
+                self.ids.add(sid)
+                self.node_boxes.add(sid)
+                t0 = time.perf_counter()
+                h.post("/v1/sandboxes", json={**body, "id": sid}).raise_for_status()
+                t1 = time.perf_counter()
+                h.post(f"/v1/sandboxes/{sid}/exec", json=exec_body).raise_for_status()
+                t2 = time.perf_counter()
+                h.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+                self.node_boxes.discard(sid)
+                creates.append(t1 - t0)
+                execs.append(t2 - t1)
+        return creates, execs
 
     async def create_many(self, client: AsyncClient, n: int, boxes: list[AsyncSandbox]) -> float:
         """Create ``n`` sandboxes (+ first exec) on 16 workers into ``boxes``; wall seconds."""
@@ -363,6 +446,11 @@ class Bench:
         """Idle sandboxes: memory before, create n, settle, after, destroy, after again."""
         n = self.counts.sustained
         before = await asyncio.to_thread(memory_sample, self.drop_caches)
+        up_before = deployment_rss_kib(self.state)
+        # Stay idle well past uvicorn's 5 s keep-alive timeout: a burst sent just as the
+        # server closes pooled connections can fail (SDK: Unavailable/ReadError; control
+        # plane -> node: the node counts as refused, "all nodes full").
+        await asyncio.sleep(2.0)
         boxes: list[AsyncSandbox] = []
         try:
             await self.create_many(client, n, boxes)
@@ -372,6 +460,8 @@ class Bench:
             rss = sum(proc_kib(p, "status", "VmRSS") for p in pids)
             pss = sum(proc_kib(p, "smaps_rollup", "Pss") for p in pids)
             charge = sum(cgroup_charge(sb.id) for sb in boxes) / 1024
+            up = (deployment_rss_kib(self.state) - up_before) / n
+            await asyncio.sleep(2.0)  # as above
         finally:
             await self.destroy_many(boxes)
         gone = await asyncio.to_thread(memory_sample, self.drop_caches)
@@ -392,6 +482,7 @@ class Bench:
             ("RSS of the processes in the boxes", rss / n),
             ("PSS of the processes in the boxes", pss / n),
             ("memory cgroup charge (usage_in_bytes / memory.current)", charge / n),
+            ("`sandfleet up` process (control plane + node) RSS growth", up),
         ):
             t.add_row(what, f"{kib / 1024:.2f} MiB", f"{kib * n / 1024:.0f} MiB")
         t.add_row(
@@ -432,13 +523,19 @@ class Bench:
             "mean memory.usage_in_bytes of the boxes' memory cgroups",
         )
 
+        self.row(
+            "control plane + node agent RSS growth per idle sandbox",
+            f"{up / 1024:.2f} MiB",
+            "—",
+            f"VmRSS of the `sandfleet up` process, after - before, / n "
+            f"({up_before / 1024:.0f} MiB before)",
+        )
+
     async def exec_round_trips(self, client: AsyncClient) -> None:
         n = self.counts.execs
         sb = (await self.create_first_exec(client))[2]
         try:
-            token = (self.state / "token").read_text().strip()
             sock = self.node_dir / "sandboxes" / sb.id / "agent.sock"
-            node_url = f"http://127.0.0.1:{self.dep.node_port}"
             times: dict[str, list[float]] = {}
             agent_side: list[float] = []
 
@@ -449,9 +546,7 @@ class Bench:
 
             def sync_node() -> list[float]:
                 body = ExecRequest(cmd=TRUE).model_dump(mode="json")
-                with httpx.Client(
-                    base_url=node_url, headers={"Authorization": f"Bearer {token}"}
-                ) as h:
+                with self.node_http() as h:
                     path = f"/v1/sandboxes/{sb.id}/exec"
 
                     def call() -> None:
@@ -678,12 +773,21 @@ class Bench:
             t.add_row(*r)
         self.console.print(t)
         self.console.print(f"loadavg at the end: {loadavg()}")
+        kinds = sorted({r[:90] for r in self.retries})
+        self.console.print(
+            f"create attempts refused and retried after 0.1 s: {len(self.retries)}"
+            + ("".join(f"\n  {k}" for k in kinds) if kinds else "")
+        )
 
     def cleanup(self) -> list[str]:
         """Destroy everything this run made, stop the deployment; returns leftovers."""
         for rid in list(self.runc_boxes):
             with contextlib.suppress(Exception):
                 self._runc_destroy(rid)
+        if self.node_boxes:
+            with contextlib.suppress(Exception), self.node_http() as h:
+                for sid in list(self.node_boxes):
+                    h.delete(f"/v1/sandboxes/{sid}")
         with contextlib.suppress(Exception), Client(self.dep.url, timeout_s=30) as c:
             for info in c.list():  # our own control plane: every sandbox listed is ours
                 self.ids.add(info.id)
@@ -761,8 +865,16 @@ def main() -> int:
                 "none — no sandbox process, mount, cgroup, runc container or state dir left"
             )
             if not ok:
-                console.print(f"the run failed; the deployment's log: {bench.dep.log_path}")
-            elif not mounts_under(state):
+                notable = [
+                    line
+                    for line in bench.dep.log().splitlines()
+                    if any(w in line for w in ("WARNING", "ERROR", "refused", "Traceback"))
+                ]
+                console.print(
+                    "the run failed; the deployment's log, warnings and errors:\n"
+                    + "\n".join(notable[-40:])
+                )
+            if not mounts_under(state):
                 shutil.rmtree(state, ignore_errors=True)
     return 1 if left else 0
 

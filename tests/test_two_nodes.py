@@ -38,7 +38,7 @@ def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
             stdout=fh,
             stderr=fh,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "SANDFLEET_TOKEN": TOKEN, **env},
+            env={**os.environ, "SANDFLEET_NODE_TOKEN": TOKEN, **env},
         )
 
 

@@ -3,21 +3,25 @@
 One SDK over every isolation level: ``Client(...).create(kind="container", ...)``.
 """
 
+from sandfleet import errors
 from sandfleet.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
-from sandfleet.wire import errors
 from sandfleet.wire.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
     SandfleetError,
+    Unauthenticated,
     Unavailable,
 )
 from sandfleet.wire.models import ExecResult, FileEntry, ImageManifest, SandboxInfo
 
 __all__ = [
+    "AlreadyExists",
     "AsyncClient",
     "AsyncSandbox",
     "Client",
@@ -26,6 +30,7 @@ __all__ = [
     "FailedPrecondition",
     "FileEntry",
     "ImageManifest",
+    "Internal",
     "InvalidArgument",
     "NotFound",
     "PermissionDenied",
@@ -33,6 +38,7 @@ __all__ = [
     "Sandbox",
     "SandboxInfo",
     "SandfleetError",
+    "Unauthenticated",
     "Unavailable",
     "errors",
 ]

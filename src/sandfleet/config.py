@@ -5,8 +5,10 @@ Precedence: command-line option, then environment variable, then default.
 - state dir: ``--state-dir``, ``SANDFLEET_STATE_DIR``; default /var/lib/sandfleet
   for root, else ~/.local/share/sandfleet.
 - images dir: ``--images-dir``, ``SANDFLEET_IMAGES_DIR``; default <state dir>/images.
-- cluster token: ``--token``, ``SANDFLEET_TOKEN``; default: generated once and kept
-  in <state dir>/token (mode 0600).
+- node token (nodes ↔ control plane): ``--token``, ``SANDFLEET_NODE_TOKEN``; default:
+  generated once and kept in <state dir>/node-token (mode 0600).
+- API token (SDK → control plane): ``--api-token``, ``SANDFLEET_TOKEN``; default none,
+  allowed only while listening on loopback.
 - control plane URL (SDK): ``url=``, ``SANDFLEET_URL``; default http://127.0.0.1:7070.
 """
 

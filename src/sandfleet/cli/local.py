@@ -75,13 +75,18 @@ class LocalDeployment:
             )
         finally:
             log.close()
+        t0 = time.time()
         deadline = time.monotonic() + self._ready_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
             try:
                 nodes = httpx.get(f"{self.url}/v1/nodes", timeout=1.0).json()["nodes"]
-                if any(n["healthy"] for n in nodes):
+                # Its own node, registered by this run (a record may survive a restart).
+                if any(
+                    n["node_id"] == self.node_id and n["healthy"] and n["last_heartbeat"] >= t0
+                    for n in nodes
+                ):
                     return self
             except (httpx.HTTPError, KeyError, ValueError):
                 pass

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
 
 from sandfleet.config import DEFAULT_URL, default_images_dir, default_state_dir
-from sandfleet.wire.errors import SandfleetError
+from sandfleet.wire.errors import FailedPrecondition, InvalidArgument, SandfleetError
 
 __all__ = ["main"]
 
@@ -27,18 +29,35 @@ _images_opt = click.option(
     help="Image store (env SANDFLEET_IMAGES_DIR; default <state-dir>/images).",
 )
 
+_api_token_opt = click.option(
+    "--api-token",
+    default=None,
+    help="Token SDK callers must send (env SANDFLEET_TOKEN); required unless on loopback.",
+)
+
 
 def _dirs(state_dir: Path | None, images_dir: Path | None) -> tuple[Path, Path]:
     state = (state_dir or default_state_dir()).resolve()
     return state, (images_dir or default_images_dir(state)).resolve()
 
 
+def _api_token(token: str | None, host: str) -> str | None:
+    """The token SDK callers must send: given, or SANDFLEET_TOKEN; required off loopback."""
+    token = token or os.environ.get("SANDFLEET_TOKEN") or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise InvalidArgument(
+            f"listening on {host} without an API token would let anyone who reaches the port"
+            " run commands: pass --api-token (or set SANDFLEET_TOKEN), or listen on 127.0.0.1"
+        )
+    return token
+
+
 def _cluster_token(state_dir: Path, token: str | None) -> str:
-    """The cluster token: given, or from SANDFLEET_TOKEN, or kept in <state-dir>/token."""
-    token = token or os.environ.get("SANDFLEET_TOKEN")
+    """The node token: given, or SANDFLEET_NODE_TOKEN, or kept in <state-dir>/node-token."""
+    token = token or os.environ.get("SANDFLEET_NODE_TOKEN")
     if token:
         return token
-    path = state_dir / "token"
+    path = state_dir / "node-token"
     if path.exists():
         return path.read_text().strip()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +83,7 @@ def cli() -> None:
 @click.option("--max-sandboxes", default=1000, show_default=True)
 @click.option("--node-id", default="local", show_default=True, help="The node agent's id.")
 @click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
+@_api_token_opt
 def up(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -73,20 +93,26 @@ def up(
     max_sandboxes: int,
     node_id: str,
     keep: bool,
+    api_token: str | None,
 ) -> None:
     """Run a control plane and one node agent together on embedded defaults.
 
     The node agent runs as a child process (it dies with this one), so the two
     event loops use two cores under burst load.
     """
-    from sandfleet.cli.serve import run_servers, spawn_child
+    from sandfleet.cli.serve import check_ports_free, lock_dir, run_servers, spawn_child
     from sandfleet.controlplane.app import create_app
 
     state, images = _dirs(state_dir, images_dir)
+    lock_dir(state, "sandfleet up")
+    check_ports_free(host, [port, node_port])
     token = _cluster_token(state, None)
     cp_url = f"http://{host}:{port}"
     cp = create_app(
-        db_url=f"sqlite:///{state / 'controlplane.db'}", images_dir=images, node_token=token
+        db_url=f"sqlite:///{state / 'controlplane.db'}",
+        images_dir=images,
+        node_token=token,
+        api_token=_api_token(api_token, host),
     )
     node_args = [
         "node", "--state-dir", str(state), "--images-dir", str(images), "--node-id", node_id,
@@ -94,12 +120,21 @@ def up(
         "--max-sandboxes", str(max_sandboxes), "--keep" if keep else "--destroy-on-exit",
     ]  # fmt: skip
     click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
-    node_proc = spawn_child(node_args, env={"SANDFLEET_TOKEN": token})
+    node_proc = spawn_child(node_args, env={"SANDFLEET_NODE_TOKEN": token})
+
+    def watch_node() -> None:
+        # A node agent that dies leaves a control plane with nowhere to place: stop too.
+        if node_proc.wait() != 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch_node, daemon=True).start()
     try:
         run_servers([(cp, host, port)])
     finally:
         node_proc.terminate()
-        node_proc.wait()
+        code = node_proc.wait()
+    if code not in (0, -signal.SIGTERM):
+        raise FailedPrecondition(f"the node agent exited with status {code}; see its log above")
 
 
 @cli.command()
@@ -110,9 +145,8 @@ def up(
 @click.option(
     "--db", default=None, help="SQLAlchemy URL of the store (default SQLite in state dir)."
 )
-@click.option(
-    "--token", default=None, help="Cluster token nodes must present (env SANDFLEET_TOKEN)."
-)
+@click.option("--token", default=None, help="Token nodes must present (env SANDFLEET_NODE_TOKEN).")
+@_api_token_opt
 def controlplane(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -120,17 +154,20 @@ def controlplane(
     port: int,
     db: str | None,
     token: str | None,
+    api_token: str | None,
 ) -> None:
     """Run the control plane alone."""
-    from sandfleet.cli.serve import run_servers
+    from sandfleet.cli.serve import check_ports_free, run_servers
     from sandfleet.controlplane.app import create_app
 
     state, images = _dirs(state_dir, images_dir)
     state.mkdir(parents=True, exist_ok=True)
+    check_ports_free(host, [port])
     app = create_app(
         db_url=db or f"sqlite:///{state / 'controlplane.db'}",
         images_dir=images,
         node_token=_cluster_token(state, token),
+        api_token=_api_token(api_token, host),
     )
     run_servers([(app, host, port)])
 
@@ -140,7 +177,7 @@ def controlplane(
 @_images_opt
 @click.option("--node-id", required=True, help="This node's id: a-z, 0-9, '-'.")
 @click.option("--control-plane", default=DEFAULT_URL, show_default=True)
-@click.option("--token", default=None, help="Cluster token (env SANDFLEET_TOKEN).")
+@click.option("--token", default=None, help="Node token (env SANDFLEET_NODE_TOKEN).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7071, show_default=True)
 @click.option("--advertise", default=None, help="URL the control plane reaches this node at.")
@@ -165,9 +202,10 @@ def node(
     keep: bool,
 ) -> None:
     """Run a node agent that registers with a control plane."""
-    from sandfleet.cli.serve import build_node_app, run_servers
+    from sandfleet.cli.serve import build_node_app, check_ports_free, run_servers
 
     state, images = _dirs(state_dir, images_dir)
+    check_ports_free(host, [port])
     app = build_node_app(
         node_id=node_id,
         state_dir=state,

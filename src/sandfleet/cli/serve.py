@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from sandfleet.wire.models import NodeCapacity, NodeRegistration
 
@@ -59,6 +60,7 @@ def run_servers(apps: list[tuple[object, str, int]]) -> None:
         await asyncio.gather(*(s.serve() for s in servers))
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     asyncio.run(main())
 
 
@@ -73,8 +75,11 @@ def build_node_app(
     max_sandboxes: int,
     memory_mb: int | None,
     destroy_on_exit: bool,
-) -> object:
-    """A node agent app with the container backend, ready for :func:`run_servers`."""
+) -> FastAPI:
+    """A node agent app with the container backend, ready for :func:`run_servers`.
+
+    Raises FailedPrecondition when another node agent holds this node's state dir.
+    """
     from sandfleet.backends.registry import load_backends
     from sandfleet.controlplane.ids import validate_node_id
     from sandfleet.node.app import create_node_app
@@ -83,6 +88,7 @@ def build_node_app(
     validate_node_id(node_id)
     _become_subreaper()
     node_dir = state_dir / "nodes" / node_id
+    lock_fd = lock_dir(node_dir, f"node agent {node_id}")
     backends = load_backends(node_dir)
     host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
     capacity = NodeCapacity(
@@ -99,13 +105,57 @@ def build_node_app(
         capacity=capacity,
         capabilities={k: b.capabilities() for k, b in backends.items()},
     )
-    return create_node_app(
+    app = create_node_app(
         service,
         token=token,
         control_plane=control_plane,
         registration=registration,
         destroy_on_exit=destroy_on_exit,
     )
+    app.state.lock_fd = lock_fd  # held, and so locked, for the process's life
+    return app
+
+
+def lock_dir(directory: Path, what: str) -> int:
+    """Lock ``directory`` for this process; FailedPrecondition if another holds it.
+
+    The lock (flock on ``directory/lock``, which names the holder's pid) dies
+    with the process, so a crash never leaves a stale lock.
+    """
+    import fcntl
+
+    from sandfleet.wire.errors import FailedPrecondition
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise FailedPrecondition(
+            f"{directory} is in use by another {what} (pid {holder}); stop it, or give this"
+            " one another --state-dir or --node-id"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    """FailedPrecondition naming the first of ``ports`` already taken on ``host``."""
+    from sandfleet.wire.errors import FailedPrecondition
+
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise FailedPrecondition(
+                    f"cannot listen on {host}:{port} ({exc.strerror}): another server uses it;"
+                    " stop it or pass another port"
+                ) from None
 
 
 def _become_subreaper() -> None:

@@ -31,7 +31,7 @@ from sandfleet.wire.models import (
     NodeRegistration,
     SandboxInfo,
 )
-from sandfleet.wire.server import install_error_handlers, token_checker
+from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
 
 __all__ = ["create_app"]
 
@@ -138,23 +138,30 @@ def create_app(
         return Response(status_code=204)
 
     @api.post("/sandboxes/{sandbox_id}/exec")
-    async def exec_(sandbox_id: str, req: ExecRequest, cp: CP) -> Response:
-        async with cp.forward(
-            sandbox_id,
-            "POST",
-            "/exec",
-            timeout_s=req.timeout_s + 5,
-            json=req.model_dump(mode="json"),
-        ) as resp:
-            body = await resp.aread()
-        status = ExecResult.model_validate_json(body).status
-        execs.labels(status).inc()
+    async def exec_(sandbox_id: str, req: ExecRequest, cp: CP, request: Request) -> Response:
+        async def call() -> bytes:
+            async with cp.forward(
+                sandbox_id,
+                "POST",
+                "/exec",
+                timeout_s=req.timeout_s + 5,
+                json=req.model_dump(mode="json"),
+            ) as resp:
+                return await resp.aread()
+
+        body = await cancel_on_disconnect(request, call())
+        execs.labels(ExecResult.model_validate_json(body).status).inc()
         return Response(body, media_type="application/json")
 
     # ---------------------------------------------------------------- files
     @api.get("/sandboxes/{sandbox_id}/files/content")
-    async def download(sandbox_id: str, path: str, cp: CP) -> StreamingResponse:
-        stack = cp.forward(sandbox_id, "GET", "/files/content", params={"path": path})
+    async def download(
+        sandbox_id: str, path: str, cp: CP, max_bytes: int | None = None
+    ) -> StreamingResponse:
+        params: dict[str, str | int] = {"path": path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        stack = cp.forward(sandbox_id, "GET", "/files/content", params=params)
         resp: httpx.Response = await stack.__aenter__()
 
         async def body() -> AsyncIterator[bytes]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -58,17 +59,29 @@ def validate_create(req: CreateSandboxRequest) -> None:
             f"kind {req.kind!r} is not available in this release; available kinds:"
             f" {', '.join(BUILT_KINDS)} (all kinds: {', '.join(KINDS)})"
         )
-    if not 0.01 <= req.cpu <= 256:
+    if not math.isfinite(req.cpu) or not 0.01 <= req.cpu <= 256:
         raise InvalidArgument(f"cpu={req.cpu} is out of range: give 0.01 to 256 cores")
     if not 16 <= req.memory_mb <= 1024 * 1024:
         raise InvalidArgument(f"memory_mb={req.memory_mb} is out of range: give 16 to 1048576 MiB")
     if not 8 <= req.pids_limit <= 65536:
         raise InvalidArgument(f"pids_limit={req.pids_limit} is out of range: give 8 to 65536")
-    if req.ttl_s is not None and not 0 < req.ttl_s <= 30 * 86400:
+    if req.ttl_s is not None and not (math.isfinite(req.ttl_s) and 0 < req.ttl_s <= 30 * 86400):
         raise InvalidArgument(f"ttl_s={req.ttl_s} is out of range: give 0 < ttl_s <= 2592000 s")
-    for key in req.labels:
+    if len(req.labels) > 64:
+        raise InvalidArgument(f"{len(req.labels)} labels given: at most 64")
+    for key, value in req.labels.items():
         if not key or len(key) > 63 or "=" in key:
             raise InvalidArgument(f"label key {key!r} is not valid: 1-63 characters, no '='")
+        if len(value) > 256:
+            raise InvalidArgument(
+                f"label {key!r} has a value of {len(value)} characters: at most 256"
+            )
+    for key, value in req.env.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise InvalidArgument(f"env name {key!r} is not valid: no '=' or NUL, not empty")
+    env_bytes = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in req.env.items())
+    if env_bytes > 256 * 1024:
+        raise InvalidArgument(f"env is {env_bytes} bytes: at most 262144 (pass data as files)")
 
 
 @dataclass
@@ -110,7 +123,9 @@ class ControlPlane:
     def register_node(self, reg: NodeRegistration) -> NodeInfo:
         validate_node_id(reg.node_id)
         old = self.store.get_node(reg.node_id)
-        info = NodeInfo(**reg.model_dump(), last_heartbeat=time.time())
+        info = NodeInfo(**reg.model_dump(exclude={"sandboxes"}), last_heartbeat=time.time())
+        if reg.sandboxes is not None:
+            self._reconcile(reg.node_id, set(reg.sandboxes))
         if old is not None:
             info = info.model_copy(
                 update={
@@ -123,6 +138,13 @@ class ControlPlane:
         self._addresses[reg.node_id] = reg.address
         log.info("node %s registered at %s", reg.node_id, reg.address)
         return info
+
+    def _reconcile(self, node_id: str, hosted: set[str]) -> None:
+        """Close records of sandboxes the node no longer hosts (it restarted without them)."""
+        for info in self.store.list_sandboxes(node_id=node_id, states=("running",)):
+            if info.id not in hosted:
+                self.store.set_sandbox_state(info.id, "destroyed")
+                log.info("sandbox %s is gone from node %s: record closed", info.id, node_id)
 
     def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeInfo:
         node = self.store.patch_node(node_id, {**hb.model_dump(), "last_heartbeat": time.time()})

@@ -1496,7 +1496,10 @@ static void start_supervisor(struct cmd *cm, const char *id, uint8_t *in_buf, si
 	S.ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	sup_addr(&a, id);
 	unlink(a.sun_path); /* a stale socket of an earlier agent run */
-	if (S.ls < 0 || bind(S.ls, (struct sockaddr *)&a, sizeof a) < 0 || listen(S.ls, 64) < 0) {
+	mode_t old_mask = umask(0177); /* the socket is 0600 from the start; the dir is 0700 too */
+	int br = S.ls < 0 ? -1 : bind(S.ls, (struct sockaddr *)&a, sizeof a);
+	umask(old_mask);
+	if (br < 0 || listen(S.ls, 64) < 0) {
 		e = errno;
 		n = snprintf((char *)msg + 8, 512, "spawn: cannot listen on %s: %s", a.sun_path, strerror(e));
 	} else if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0) {

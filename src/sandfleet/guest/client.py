@@ -16,7 +16,13 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from sandfleet.guest import protocol as p
-from sandfleet.wire.errors import DeadlineExceeded, Internal, SandfleetError, Unavailable
+from sandfleet.wire.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    SandfleetError,
+    Unavailable,
+)
 from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
@@ -376,6 +382,8 @@ class AgentClient:
     async def kill_process(self, process_id: str, signal: int = 9) -> ProcessInfo:
         """Send ``signal`` to the process and everything it started (also jobs it
         left behind after ending). With SIGKILL the answer comes once all are gone."""
+        if not 1 <= signal <= 64:
+            raise InvalidArgument(f"signal is {signal}: give a signal number from 1 to 64")
         async with self._connect("kill_process") as conn:
             await conn.send(
                 p.proc_op(p.OP_PROC_KILL, process_id, [(b"g", signal.to_bytes(8, "big"))])
@@ -412,7 +420,7 @@ class AgentClient:
         ``dropped`` counts bytes after ``offset`` lost to the retention bound;
         continue from ``next_offset``.
         """
-        fields = [p.stream_field(stream), (b"F", offset.to_bytes(8, "big"))]
+        fields = [p.stream_field(stream), p.offset_field(offset)]
         data = bytearray()
         first: OutputChunk | None = None
         last: OutputChunk | None = None
@@ -455,7 +463,7 @@ class AgentClient:
         """
         fields = [
             p.stream_field(stream),
-            (b"F", offset.to_bytes(8, "big")),
+            p.offset_field(offset),
             (b"f", b"\x01"),
             *p.timeout_ms(timeout_s),
         ]

@@ -137,6 +137,7 @@ __all__ = [
     "encode_fields",
     "encode_spawn",
     "frame",
+    "offset_field",
     "path_field",
     "proc_op",
     "stream_field",
@@ -281,6 +282,13 @@ def stream_field(stream: str) -> tuple[bytes, bytes]:
     if stream not in _STREAMS:
         raise InvalidArgument(f"stream is {stream!r}: use 'stdout' or 'stderr'")
     return (b"S", _u64(_STREAMS[stream]))
+
+
+def offset_field(offset: int) -> tuple[bytes, bytes]:
+    """The ``F`` field: an absolute output offset, bytes."""
+    if offset < 0:
+        raise InvalidArgument(f"offset is {offset}: give a byte offset >= 0")
+    return (b"F", _u64(offset))
 
 
 def _int(fields: dict[str, bytes], tag: str) -> int | None:

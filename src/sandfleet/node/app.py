@@ -20,7 +20,7 @@ from sandfleet.wire.models import (
     NodeCreateRequest,
     NodeRegistration,
 )
-from sandfleet.wire.server import install_error_handlers, token_checker
+from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
 
 __all__ = ["create_node_app"]
 
@@ -46,7 +46,7 @@ def create_node_app(
         task = None
         if control_plane and registration:
             task = asyncio.get_running_loop().create_task(
-                heartbeat_forever(control_plane, token, registration, service.load)
+                heartbeat_forever(control_plane, token, registration, service.load, service.ids)
             )
         yield
         if task:
@@ -79,12 +79,14 @@ def create_node_app(
         return Response(status_code=204)
 
     @api.post("/{sandbox_id}/exec")
-    async def exec_(sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await svc.exec(sandbox_id, req)
+    async def exec_(sandbox_id: str, req: ExecRequest, request: Request) -> ExecResult:
+        return await cancel_on_disconnect(request, svc.exec(sandbox_id, req))
 
     @api.get("/{sandbox_id}/files/content")
-    async def download(sandbox_id: str, path: str) -> StreamingResponse:
-        cm = svc.read_file(sandbox_id, path)
+    async def download(
+        sandbox_id: str, path: str, max_bytes: int | None = None
+    ) -> StreamingResponse:
+        cm = svc.read_file(sandbox_id, path, max_bytes)
         chunks = await cm.__aenter__()
 
         async def body() -> AsyncIterator[bytes]:

@@ -24,6 +24,7 @@ async def heartbeat_forever(
     token: str | None,
     registration: NodeRegistration,
     load: Callable[[], NodeHeartbeat],
+    hosted: Callable[[], list[str]],
     interval_s: float = HEARTBEAT_INTERVAL_S,
 ) -> None:
     """Register, then report load every ``interval_s`` seconds; re-register when forgotten.
@@ -38,8 +39,9 @@ async def heartbeat_forever(
         while True:
             try:
                 if not registered:
+                    current = registration.model_copy(update={"sandboxes": hosted()})
                     r = await http.post(
-                        f"{base}/v1/nodes/register", json=registration.model_dump(mode="json")
+                        f"{base}/v1/nodes/register", json=current.model_dump(mode="json")
                     )
                     r.raise_for_status()
                     registered = True

@@ -201,16 +201,38 @@ class NodeService:
         return result
 
     @contextlib.asynccontextmanager
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[AsyncIterator[bytes]]:
-        """Yield the file's chunks; errors (missing file, a directory) raise before streaming."""
-        stream = self._box(sandbox_id).agent.read_file(path).__aiter__()
+    async def read_file(
+        self, sandbox_id: str, path: str, max_bytes: int | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Yield the file's chunks; errors raise before the first chunk.
+
+        Only regular files are read (a device such as /dev/zero or a FIFO would
+        never end); with ``max_bytes`` a larger file is refused up front and
+        one that grows meanwhile is cut at ``max_bytes``.
+        """
+        agent = self._box(sandbox_id).agent
+        entry = await agent.stat(path)
+        if entry.type in ("dir", "other"):
+            what = "a directory" if entry.type == "dir" else "not a regular file (device, FIFO...)"
+            raise InvalidArgument(f"{path} is {what}: only regular files can be read")
+        if max_bytes is not None and entry.size > max_bytes:
+            raise InvalidArgument(
+                f"{path} is {entry.size} bytes, over max_bytes={max_bytes}: use download()"
+            )
+        stream = agent.read_file(path).__aiter__()
         first = await anext(stream, None)
 
         async def chunks() -> AsyncIterator[bytes]:
-            if first is not None:
-                yield first
-                async for chunk in stream:
-                    yield chunk
+            left = max_bytes
+            pending = first
+            while pending is not None:
+                if left is not None:
+                    pending = pending[:left]
+                    left -= len(pending)
+                yield pending
+                if left == 0:
+                    return
+                pending = await anext(stream, None)
 
         yield chunks()
 

@@ -324,13 +324,17 @@ def exec_request(
     )
 
 
-def read_request(sandbox_id: str, path: str) -> Request[bytes]:
-    return Request(
-        "GET",
-        _sandbox_path(sandbox_id, "/files/content"),
-        _raw,
-        params=(("path", _remote_path(path)),),
-    )
+#: Default cap on :meth:`files.read`, bytes; larger files go through ``download``.
+READ_MAX_BYTES = 256 * 1024 * 1024
+
+
+def read_request(sandbox_id: str, path: str, max_bytes: int | None = None) -> Request[bytes]:
+    params: tuple[tuple[str, str], ...] = (("path", _remote_path(path)),)
+    if max_bytes is not None:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        params += (("max_bytes", str(max_bytes)),)
+    return Request("GET", _sandbox_path(sandbox_id, "/files/content"), _raw, params=params)
 
 
 def write_request(

@@ -347,9 +347,15 @@ class AsyncFiles:
     def _send(self, request: _core.Request[T], content: Any = None) -> Coroutine[Any, Any, T]:
         return self._sandbox._client._send(request, content)
 
-    async def read(self, path: str) -> bytes:
-        """The whole content of a file. For large files prefer :meth:`download`."""
-        return await self._send(_core.read_request(self._sandbox._sandbox_id(), path))
+    async def read(self, path: str, max_bytes: int = _core.READ_MAX_BYTES) -> bytes:
+        """The whole content of a regular file, in memory.
+
+        Raises ``InvalidArgument`` when the file is larger than ``max_bytes``
+        (default 256 MiB: use :meth:`download` for such files) or is not a
+        regular file (a directory, device or FIFO), ``NotFound`` when missing.
+        """
+        sid = self._sandbox._sandbox_id()
+        return await self._send(_core.read_request(sid, path, max_bytes))
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
         """Create or replace a file with ``data`` (str is UTF-8 encoded); ``mode`` as chmod."""

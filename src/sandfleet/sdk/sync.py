@@ -276,8 +276,8 @@ class Files:
     def _send(self, request: _core.Request[T], content: Any = None) -> T:
         return self._sandbox._client._send(request, content)
 
-    def read(self, path: str) -> bytes:
-        return self._send(_core.read_request(self._sandbox._sandbox_id(), path))
+    def read(self, path: str, max_bytes: int = _core.READ_MAX_BYTES) -> bytes:
+        return self._send(_core.read_request(self._sandbox._sandbox_id(), path, max_bytes))
 
     def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
         return self._send(_core.write_request(self._sandbox._sandbox_id(), path, mode, data))

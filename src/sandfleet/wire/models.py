@@ -75,9 +75,13 @@ B64Bytes = Annotated[
 
 
 class WireModel(BaseModel):
-    """Requests: unknown fields are an error, so a typo never passes silently."""
+    """Requests: unknown fields are an error, so a typo never passes silently.
 
-    model_config = ConfigDict(extra="forbid")
+    NaN and infinities are refused too: JSON has no such numbers, and a NaN TTL
+    would otherwise travel as null, i.e. "no TTL".
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class WireResponse(BaseModel):
@@ -137,7 +141,9 @@ class ExecRequest(WireModel):
 
     ``cmd`` is an argv list (run directly, no shell) or a string (run by
     ``/bin/sh -c``). ``stdin`` is empty unless given. ``timeout_s`` bounds the
-    whole command; on expiry its whole process group is killed.
+    whole command; on expiry its whole process tree is killed (also processes
+    that left its group or session); background jobs of a command that exits
+    by itself keep running.
     """
 
     cmd: list[str] | str
@@ -322,6 +328,9 @@ class NodeRegistration(WireModel):
     kinds: list[Kind]
     capacity: NodeCapacity
     capabilities: dict[str, Any] = Field(default_factory=dict)
+    sandboxes: list[str] | None = Field(
+        None, description="Ids the node hosts now; records of others on it are closed."
+    )
 
 
 class NodeHeartbeat(WireModel):

@@ -7,18 +7,29 @@ field; anything else is INTERNAL (logged, never a stack trace on the wire).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sandfleet.wire.errors import Internal, InvalidArgument, SandfleetError, Unauthenticated
+from sandfleet.wire.errors import (
+    Internal,
+    InvalidArgument,
+    NotFound,
+    SandfleetError,
+    Unauthenticated,
+)
 
-__all__ = ["install_error_handlers", "token_checker"]
+__all__ = ["cancel_on_disconnect", "install_error_handlers", "token_checker"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("sandfleet")
 
@@ -38,6 +49,18 @@ def install_error_handlers(app: FastAPI) -> None:
             parts.append(f"{where}: {err.get('msg')}")
         e = InvalidArgument("invalid request: " + "; ".join(parts))
         return JSONResponse(e.to_wire(), status_code=e.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and methods answer in the same format as everything else.
+        e: SandfleetError
+        if exc.status_code == 404:
+            e = NotFound(f"no such endpoint: {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            e = InvalidArgument(f"{request.method} is not allowed on {request.url.path}")
+        else:
+            e = Internal(f"HTTP {exc.status_code}: {exc.detail}")
+        return JSONResponse(e.to_wire(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -60,3 +83,29 @@ def token_checker(token: str | None) -> Callable[[Request], Coroutine[Any, Any, 
             )
 
     return check
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the HTTP client goes away first.
+
+    A caller that gives up (cancels its task, times out, dies) closes its
+    connection; without this the command would run on to its own timeout. The
+    request body must already have been read: the next message is then the
+    disconnect.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
