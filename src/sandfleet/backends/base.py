@@ -30,6 +30,7 @@ class SandboxSpec:
     cpu: float
     memory_mb: int
     pids_limit: int
+    disk_mb: int = 4096
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
 

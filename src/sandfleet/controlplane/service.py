@@ -65,6 +65,8 @@ def validate_create(req: CreateSandboxRequest) -> None:
         raise InvalidArgument(f"memory_mb={req.memory_mb} is out of range: give 16 to 1048576 MiB")
     if not 8 <= req.pids_limit <= 65536:
         raise InvalidArgument(f"pids_limit={req.pids_limit} is out of range: give 8 to 65536")
+    if not 16 <= req.disk_mb <= 1024 * 1024:
+        raise InvalidArgument(f"disk_mb={req.disk_mb} is out of range: give 16 to 1048576 MiB")
     if req.ttl_s is not None and not (math.isfinite(req.ttl_s) and 0 < req.ttl_s <= 30 * 86400):
         raise InvalidArgument(f"ttl_s={req.ttl_s} is out of range: give 0 < ttl_s <= 2592000 s")
     if len(req.labels) > 64:
@@ -253,6 +255,7 @@ class ControlPlane:
             cpu=req.cpu,
             memory_mb=req.memory_mb,
             pids_limit=req.pids_limit,
+            disk_mb=req.disk_mb,
             labels=req.labels,
             created_at=now,
             expires_at=now + req.ttl_s if req.ttl_s is not None else None,

@@ -119,6 +119,7 @@ class NodeService:
                 cpu=req.cpu,
                 memory_mb=req.memory_mb,
                 pids_limit=req.pids_limit,
+                disk_mb=req.disk_mb,
                 env={**config.env, **req.env},
                 workdir=config.workdir,
             )

@@ -105,6 +105,9 @@ class CreateSandboxRequest(WireModel):
     cpu: float = Field(1.0, description="CPU share in cores (0.05-64).")
     memory_mb: int = Field(512, description="Memory limit in MiB (16-65536).")
     pids_limit: int = Field(256, description="Maximum number of processes (8-65536).")
+    disk_mb: int = Field(
+        4096, description="Size limit of the writable layer in MiB (16-1048576); ENOSPC beyond."
+    )
     ttl_s: float | None = Field(3600.0, description="Hard lifetime in seconds; None = no TTL.")
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every exec.")
@@ -128,6 +131,7 @@ class SandboxInfo(WireResponse):
     cpu: float
     memory_mb: int
     pids_limit: int
+    disk_mb: int = 4096
     labels: dict[str, str] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
     expires_at: float | None = Field(None, description="Unix time the TTL ends, seconds.")
