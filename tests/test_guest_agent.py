@@ -1026,3 +1026,15 @@ def test_agent_binary_without_compiler_says_what_to_install(
     monkeypatch.setattr(build, "find_compiler", lambda: None)
     with pytest.raises(FailedPrecondition, match="musl-tools"):
         build.agent_binary()
+
+
+def test_commands_lose_the_agents_id_switching_caps(agent: Agent) -> None:
+    """The agent may switch users; the commands it runs must not (CapEff without bits 6, 7)."""
+    r = run(
+        agent.client.exec(ExecRequest(cmd=["grep", "-E", "^Cap(Prm|Eff):", "/proc/self/status"]))
+    )
+    for line in r.stdout.decode().splitlines():
+        caps = int(line.split()[1], 16)
+        assert caps & (1 << 6 | 1 << 7) == 0, line
+    nnp = run(agent.client.exec(ExecRequest(cmd=["grep", "NoNewPrivs", "/proc/self/status"])))
+    assert nnp.stdout.split()[-1] == b"1"

@@ -28,6 +28,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -667,6 +668,29 @@ static int parse_cmd(int c, const uint8_t *req, uint32_t n, struct cmd *cm, cons
 	return 0;
 }
 
+/* The agent holds CAP_SETUID/CAP_SETGID only to switch users; commands must run
+ * with the container's base set. Dropping needs no capability, and with
+ * no_new_privs execve cannot regain what is not in the permitted set. */
+static void drop_id_caps(void)
+{
+	struct {
+		uint32_t version;
+		int pid;
+	} hdr = {0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+	struct {
+		uint32_t effective, permitted, inheritable;
+	} data[2];
+	/* runc sets it for containers already; without it a root execve regains the
+	 * whole bounding set. */
+	prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+	if (syscall(SYS_capget, &hdr, data) < 0) return;
+	uint32_t mask = ~((1u << 6) | (1u << 7)); /* CAP_SETGID, CAP_SETUID */
+	data[0].effective &= mask;
+	data[0].permitted &= mask;
+	data[0].inheritable &= mask;
+	syscall(SYS_capset, &hdr, data);
+}
+
 static void run_child(struct cmd *cm, int in, int out, int err, int errfd)
 {
 	setsid();
@@ -686,6 +710,7 @@ static void run_child(struct cmd *cm, int in, int out, int err, int errfd)
 			_exit(126);
 		}
 	}
+	drop_id_caps();
 	environ = cm->env; /* execvp searches the command's own PATH */
 	execvp(cm->argv[0], cm->argv);
 	int e = errno;
