@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sandfleet import errors
@@ -135,3 +136,16 @@ def test_isolation_inside_the_container(deployment: LocalDeployment) -> None:
         assert a.exec(["cat", "/proc/kcore"]).exit_code != 0
         a.exec("rm /bin/sh; echo gone > /bin/sh")
         assert b.exec(["/bin/sh", "-c", "echo still here"]).stdout == b"still here\n"
+
+
+def test_openapi_is_published_and_versioned(deployment: LocalDeployment) -> None:
+    spec = httpx.get(f"{deployment.url}/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {
+        "/v1/sandboxes",
+        "/v1/sandboxes/{sandbox_id}",
+        "/v1/sandboxes/{sandbox_id}/exec",
+    } <= paths
+    assert all(p.startswith(("/v1/", "/healthz", "/metrics")) for p in paths)
+    metrics = httpx.get(f"{deployment.url}/metrics").text
+    assert "sandfleet_sandboxes_created" in metrics
