@@ -1,18 +1,23 @@
 """The runc container backend against the real kernel: needs root, runc, EROFS.
 
 Every test ends with a leak check: no sandbox directory, no mount under the
-state dir other than the shared layer mounts, no cgroup or process of a test
-sandbox, nothing in ``runc list``.
+state dir other than the shared layer mounts, no loop device backed by a file
+under it, no cgroup or process of a test sandbox, nothing in ``runc list`` or
+the runc root.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,9 +26,11 @@ import pytest
 
 from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
 from sandfleet.backends.container import ContainerBackend
-from sandfleet.backends.container.bundle import DEFAULT_CAPS, oci_config
+from sandfleet.backends.container import backend as backend_module
+from sandfleet.backends.container.bundle import AGENT_CAPS, DEFAULT_CAPS, oci_config
+from sandfleet.backends.container.disk import loop_devices_under
 from sandfleet.node.mounts import mounts_under
-from sandfleet.wire.errors import Internal, InvalidArgument, NotFound
+from sandfleet.wire.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from sandfleet.wire.models import ExecRequest, ExecResult
 
 pytestmark = [
@@ -36,7 +43,14 @@ pytestmark = [
 T = TypeVar("T")
 _PREFIX = f"ct{os.getpid()}x"
 _counter = itertools.count()
-_CAP_BITS = {"CAP_AUDIT_WRITE": 29, "CAP_KILL": 5, "CAP_NET_BIND_SERVICE": 10}
+_CAP_BITS = {
+    "CAP_AUDIT_WRITE": 29, "CAP_KILL": 5, "CAP_NET_BIND_SERVICE": 10,
+    "CAP_SETGID": 6, "CAP_SETUID": 7,
+}  # fmt: skip
+
+
+def _cap_mask(names: list[str]) -> int:
+    return sum(1 << _CAP_BITS[n] for n in names)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -66,7 +80,11 @@ def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for applet in applets.stdout.split():
         if applet != "busybox":
             (tree / "bin" / applet).symlink_to("busybox")
-    (tree / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (tree / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
+    )
+    (tree / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (tree / "tmp").chmod(0o1777)
     return _mkfs(tree, tmp_path_factory.mktemp("layers") / "busybox.erofs")
 
 
@@ -113,6 +131,8 @@ def assert_no_leaks(backend: ContainerBackend) -> None:
         if not (m.startswith(layer_root) and "/" not in m[len(layer_root):])
     ]  # fmt: skip
     assert stray == [], f"mounts left: {stray}"
+    assert loop_devices_under(state) == []
+    assert list(backend.runc_root.iterdir()) == []
     assert _cgroup_leftovers(_PREFIX) == []
     assert _process_leftovers(_PREFIX) == []
     out = subprocess.run(
@@ -163,8 +183,13 @@ def test_oci_config_defaults() -> None:
     assert "A=1" in cfg["process"]["env"]
     caps = cfg["process"]["capabilities"]
     for key in ("bounding", "effective", "permitted"):
-        assert sorted(caps[key]) == sorted(DEFAULT_CAPS)
-    assert caps["ambient"] == [] and cfg["process"]["noNewPrivileges"] is True
+        assert sorted(caps[key]) == sorted(AGENT_CAPS)
+    assert set(AGENT_CAPS) - set(DEFAULT_CAPS) == {"CAP_SETUID", "CAP_SETGID"}
+    assert (
+        caps["inheritable"] == []
+        and caps["ambient"] == []
+        and cfg["process"]["noNewPrivileges"] is True
+    )
     res = cfg["linux"]["resources"]
     assert res["memory"] == {"limit": 64 << 20, "swap": 64 << 20}
     assert res["cpu"] == {"quota": 50_000, "period": 100_000}
@@ -251,9 +276,14 @@ def test_proc_masked_and_caps(backend: ContainerBackend, busybox_layer: Path) ->
             assert r.stdout.strip() == b"0", path
         r = await sh(h, "ls /sys/firmware | wc -l; echo 1 > /proc/sysrq-trigger")
         assert r.stdout.strip() == b"0" and r.exit_code != 0
-        r = await sh(h, "grep CapEff /proc/self/status")
-        eff = int(r.stdout.split()[1], 16)
-        assert eff == sum(1 << b for b in _CAP_BITS.values())
+        # commands get runc's default set; the agent (PID 1) also CAP_SETUID/SETGID
+        r = await sh(h, "grep -E '^Cap(Eff|Prm|Inh)' /proc/self/status")
+        got = dict(ln.split(":\t") for ln in r.stdout.decode().splitlines())
+        assert int(got["CapEff"], 16) == _cap_mask(DEFAULT_CAPS), got
+        assert int(got["CapPrm"], 16) == _cap_mask(DEFAULT_CAPS), got
+        assert int(got["CapInh"], 16) == 0
+        r = await sh(h, "grep -E '^CapEff' /proc/1/status")
+        assert int(r.stdout.split()[1], 16) == _cap_mask(AGENT_CAPS)
         r = await sh(h, "grep -E 'NoNewPrivs|Seccomp:' /proc/self/status")
         assert b"NoNewPrivs:\t1" in r.stdout and b"Seccomp:\t2" in r.stdout
         # seccomp: unshare(CLONE_NEWUSER) refused; the 32-bit personality allowed
@@ -422,3 +452,294 @@ def test_recover_adopts_running_and_removes_dead(
             run(second.destroy(d.name))
         run(second.close())
     assert mounts_under(state) == []
+
+
+# ---------------------------------------------------------------------- users
+
+
+def test_command_as_another_user(backend: ContainerBackend, busybox_layer: Path) -> None:
+    from sandfleet.guest.client import AgentClient
+
+    async def body() -> None:
+        h = await backend.create(spec(busybox_layer))
+        req = ExecRequest(cmd="id -u; id -g; grep CapEff /proc/self/status", user="nobody")
+        r = await AgentClient(h.agent_socket).exec(req)
+        assert r.ok, r.stderr
+        uid, gid, capeff = r.stdout.decode().splitlines()
+        assert (uid, gid) == ("65534", "65534")
+        assert int(capeff.split()[1], 16) == 0
+        await backend.destroy(h.id)
+
+    run(body())
+
+
+# ---------------------------------------------------------------------- limits
+
+
+def test_disk_limit_gives_enospc(backend: ContainerBackend, busybox_layer: Path) -> None:
+    async def body() -> None:
+        h = await backend.create(spec(busybox_layer, disk_mb=32))
+        n = await backend.create(spec(busybox_layer, disk_mb=256))
+        assert len(loop_devices_under(backend.state_dir)) == 2
+        r = await sh(h, "dd if=/dev/zero of=/root/big bs=1M count=100", 30)
+        assert r.exit_code != 0
+        assert b"No space left on device" in r.stderr, r.stderr
+        r = await sh(h, "df -k / | tail -1")
+        assert int(r.stdout.split()[1]) <= 32 * 1024, r.stdout  # the box sees its own size
+        # the box still works: a command runs, and a file written to its
+        # writable layer executes (the disk is nosuid/nodev, not noexec)
+        r = await sh(h, "rm /root/big && printf '#!/bin/sh\\necho hi\\n' > /tmp/x "
+                        "&& chmod +x /tmp/x && /tmp/x")  # fmt: skip
+        assert r.ok and r.stdout == b"hi\n", r.stderr
+        # inodes are limited too: the node's inode table is not the box's to fill
+        r = await sh(h, "cd /tmp && i=0; while touch f$i 2>/dev/null; do i=$((i+1)); done; "
+                        "echo $i", 60)  # fmt: skip
+        assert 1000 < int(r.stdout) < 10_000, r.stdout
+        r = await sh(h, "echo ok")
+        assert r.ok and r.stdout == b"ok\n"
+        # the neighbour writes more than the full box's limit
+        r = await sh(n, "dd if=/dev/zero of=/root/big bs=1M count=64 && echo ok", 30)
+        assert r.ok, r.stderr
+        # the host paid at most the limit for the full box (a sparse image)
+        img = backend.state_dir / "sandboxes" / h.id / "disk.img"
+        assert 0 < img.stat().st_blocks * 512 <= 33 << 20
+        await backend.destroy(h.id)
+        await backend.destroy(n.id)
+        # freed: the images are unlinked and no loop device holds their inodes
+        assert not img.exists()
+        assert loop_devices_under(backend.state_dir) == []
+
+    run(body())
+
+
+def test_disk_limit_range(backend: ContainerBackend, busybox_layer: Path) -> None:
+    async def body() -> None:
+        lo, hi = backend.capabilities()["disk_mb_range"]
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(InvalidArgument, match="disk_mb"):
+                await backend.create(spec(busybox_layer, disk_mb=bad))
+        backend.min_free_mb = 1 << 40  # more than any disk has
+        with pytest.raises(ResourceExhausted, match="free"):
+            await backend.create(spec(busybox_layer))
+
+    run(body())
+
+
+def test_disk_images_detach_their_loop_devices(backend: ContainerBackend, tmp_path: Path) -> None:
+    """Each writable layer's filesystem (copy, loop device, mount) leaves nothing once unmounted.
+
+    Its cost per create is measured by benchmarks/bench_containers.py, not asserted here.
+    """
+    from sandfleet.node.mounts import umount
+
+    backend.disks.template(4096)  # made once per size
+    for i in range(5):
+        bundle = tmp_path / f"b{i}"
+        bundle.mkdir()
+        backend.disks.make(bundle, 4096)
+        assert (bundle / "disk" / "upper").is_dir()
+        umount(bundle / "disk")
+        (bundle / "disk.img").unlink()
+    deadline = time.monotonic() + 2
+    while loop_devices_under(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop_devices_under(tmp_path) == []
+
+
+def _cpu_usage_s(sandbox_id: str) -> float:
+    root = Path("/sys/fs/cgroup")
+    for p in root.glob(f"*/sandfleet/{sandbox_id}/cpuacct.usage"):
+        return int(p.read_text()) / 1e9
+    for p in root.glob(f"sandfleet/{sandbox_id}/cpu.stat"):  # pure v2
+        for line in p.read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    raise AssertionError("no cpu accounting file for the box")
+
+
+def test_cpu_share_is_enforced(backend: ContainerBackend, busybox_layer: Path) -> None:
+    async def body() -> None:
+        h = await backend.create(spec(busybox_layer, cpu=0.2))
+        busy = asyncio.ensure_future(sh(h, "while :; do :; done", timeout_s=3.5))
+        await asyncio.sleep(0.5)
+        u0, t0 = _cpu_usage_s(h.id), time.monotonic()
+        await asyncio.sleep(2.0)
+        share = (_cpu_usage_s(h.id) - u0) / (time.monotonic() - t0)
+        r = await busy
+        assert r.status == "timeout"
+        assert 0.10 <= share <= 0.35, f"a cpu=0.2 box used {share:.2f} of a core"
+        await backend.destroy(h.id)
+
+    run(body())
+
+
+# ---------------------------------------------------------------------- half-made boxes
+
+
+def _fail_after(target: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``target.name`` do its work, then raise (the most left to undo).
+
+    ``layers.acquire`` is atomic (it either takes a reference and returns it
+    or raises), so there the second call fails, before doing anything.
+    """
+    orig = getattr(target, name)
+    if name == "acquire":
+        calls = itertools.count()
+
+        def second_fails(*a: Any, **kw: Any) -> Any:
+            if next(calls):
+                raise RuntimeError(f"injected after {name}")
+            return orig(*a, **kw)
+
+        monkeypatch.setattr(target, name, second_fails)
+    elif asyncio.iscoroutinefunction(orig):
+
+        async def afail(*a: Any, **kw: Any) -> Any:
+            await orig(*a, **kw)
+            raise RuntimeError(f"injected after {name}")
+
+        monkeypatch.setattr(target, name, afail)
+    else:
+
+        def fail(*a: Any, **kw: Any) -> Any:
+            orig(*a, **kw)
+            raise RuntimeError(f"injected after {name}")
+
+        monkeypatch.setattr(target, name, fail)
+
+
+_STEPS = [
+    "disk.mount", "disks.make", "layers.acquire", "_mount_rootfs", "oci_config",
+    "_runc_run", "_open_pidfd", "ensure_loopback_up_async", "_wait_agent",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("step", _STEPS)
+def test_failure_at_each_create_step_leaves_nothing(
+    backend: ContainerBackend, busybox_layer: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    from sandfleet.backends.container import disk as disk_module
+
+    targets: dict[str, Any] = {
+        "disk": disk_module, "disks": backend.disks, "layers": backend.layers,
+    }  # fmt: skip
+    owner, _, name = step.rpartition(".")
+    if owner:
+        target = targets[owner]
+    elif hasattr(backend_module, name) and not hasattr(backend, name):
+        target = backend_module
+    else:
+        target = backend
+    _fail_after(target, name, monkeypatch)
+
+    async def body() -> None:
+        with pytest.raises(Internal, match=f"injected after {name}"):
+            layers = [busybox_layer] * (2 if name == "acquire" else 1)
+            await backend.create(spec(busybox_layer, layers=layers))
+        assert set(backend.layers.mounted().values()) <= {0}
+
+    run(body())
+    monkeypatch.undo()
+    assert_no_leaks(backend)
+
+
+_CHILD = r"""
+import asyncio, os, signal, sys, time
+from pathlib import Path
+from sandfleet.backends.base import SandboxSpec
+from sandfleet.backends.container import ContainerBackend
+from sandfleet.backends.container import backend as bm
+
+state, agent, layer, sid, step = sys.argv[1:]
+be = ContainerBackend(Path(state), Path(agent))
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def after(target, name, delay=0.0):
+    orig = getattr(target, name)
+    if asyncio.iscoroutinefunction(orig):
+        async def f(*a, **kw):
+            r = await orig(*a, **kw)
+            time.sleep(delay)
+            die()
+        setattr(target, name, f)
+    else:
+        def f(*a, **kw):
+            r = orig(*a, **kw)
+            time.sleep(delay)
+            die()
+        setattr(target, name, f)
+
+if step == "disk":
+    after(be.disks, "make")
+elif step == "rootfs":
+    after(be, "_mount_rootfs")
+elif step.startswith("spawn"):  # runc run is running when the node agent dies
+    after(os, "posix_spawnp", float(step[5:] or 0) / 1000)
+elif step == "runc":
+    after(be, "_runc_run")
+elif step == "agent":
+    after(be, "_wait_agent")
+spec = SandboxSpec(id=sid, kind="container", layers=[Path(layer)], cpu=1.0,
+                   memory_mb=128, pids_limit=64, disk_mb=64)
+asyncio.run(be.create(spec))
+print("created", flush=True)
+die()
+"""
+
+
+@pytest.mark.parametrize("step", ["disk", "rootfs", "spawn", "spawn20", "runc", "agent", "done"])
+def test_node_killed_mid_create_then_recover_cleans(
+    tmp_path: Path, agent: Path, busybox_layer: Path, step: str
+) -> None:
+    state = tmp_path / "state"
+    sid = new_id()
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(state), str(agent), str(busybox_layer), sid, step],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert (state / "sandboxes" / sid).is_dir(), "the child died before it began"
+    be = ContainerBackend(state, agent)
+
+    async def body() -> None:
+        handles = await be.recover()
+        if step == "done":  # create had returned: the box is adopted and works
+            assert [h.id for h in handles] == [sid]
+            r = await sh(handles[0], "echo ok")
+            assert r.ok
+            await be.destroy(sid)
+        else:
+            assert handles == []
+
+    try:
+        run(body())
+        assert_no_leaks(be)
+    finally:
+        for d in (state / "sandboxes").iterdir():
+            run(be.destroy(d.name))
+        run(be.close())
+    assert mounts_under(state) == []
+
+
+def test_recover_sweeps_this_nodes_stray_cgroups(tmp_path: Path, agent: Path) -> None:
+    be = ContainerBackend(tmp_path / "state", agent, node_id="ctnode")
+    ours = f"sb-{os.getpid():012x}-ctnode"
+    other = f"sb-{os.getpid():012x}-ctnodeb"
+    made = []
+    for name in (ours, other):
+        for d in be.cgroups.dirs(f"/sandfleet/{name}"):
+            with contextlib.suppress(OSError):  # some named hierarchies refuse mkdir
+                d.mkdir(parents=True)
+                made.append(d)
+    assert any(d.name == ours for d in made)
+    try:
+        run(be.recover())
+        assert not any(d.exists() for d in be.cgroups.dirs(f"/sandfleet/{ours}"))
+        assert any(d.exists() for d in be.cgroups.dirs(f"/sandfleet/{other}"))
+    finally:
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        run(be.close())

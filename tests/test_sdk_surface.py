@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 import sandfleet.sdk
-from sandfleet.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
+from sandfleet.sdk import AsyncClient, AsyncProcess, AsyncSandbox, Client, Process, Sandbox
 from sandfleet.sdk._core import EXEC_MARGIN_S, Settings
 from sandfleet.sdk.client import AsyncFiles
 from sandfleet.sdk.sync import Files
@@ -335,7 +335,12 @@ def _public(cls: type) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("async_cls", "sync_cls"),
-    [(AsyncClient, Client), (AsyncSandbox, Sandbox), (AsyncFiles, Files)],
+    [
+        (AsyncClient, Client),
+        (AsyncSandbox, Sandbox),
+        (AsyncFiles, Files),
+        (AsyncProcess, Process),
+    ],
 )
 def test_async_and_sync_surfaces_match(async_cls: type, sync_cls: type) -> None:
     a, s = _public(async_cls), _public(sync_cls)
@@ -344,8 +349,13 @@ def test_async_and_sync_surfaces_match(async_cls: type, sync_cls: type) -> None:
         if isinstance(member, property):
             assert isinstance(s[name], property), name
             continue
-        assert inspect.iscoroutinefunction(member), f"{async_cls.__name__}.{name} is not async"
-        assert not inspect.iscoroutinefunction(s[name]), f"{sync_cls.__name__}.{name} is async"
+        if inspect.isasyncgenfunction(member):
+            # streams: an async iterator on one side, a plain iterator on the other
+            assert inspect.isgeneratorfunction(s[name]), f"{sync_cls.__name__}.{name}"
+        else:
+            assert inspect.iscoroutinefunction(member), f"{async_cls.__name__}.{name} is not async"
+            assert not inspect.iscoroutinefunction(s[name]), f"{sync_cls.__name__}.{name} is async"
+            assert not inspect.isgeneratorfunction(s[name]), f"{sync_cls.__name__}.{name}"
         assert inspect.signature(member).parameters == inspect.signature(s[name]).parameters, name
         assert member.__doc__ and s[name].__doc__, f"{name} lacks a docstring"
     shape = [(p.name, p.kind, p.default) for p in inspect.signature(async_cls).parameters.values()]
@@ -356,7 +366,14 @@ def test_async_and_sync_surfaces_match(async_cls: type, sync_cls: type) -> None:
 
 
 def test_public_exports_are_exactly_all() -> None:
-    assert sorted(sandfleet.sdk.__all__) == ["AsyncClient", "AsyncSandbox", "Client", "Sandbox"]
+    assert sorted(sandfleet.sdk.__all__) == [
+        "AsyncClient",
+        "AsyncProcess",
+        "AsyncSandbox",
+        "Client",
+        "Process",
+        "Sandbox",
+    ]
     public = {n for n in vars(sandfleet.sdk) if not n.startswith("_")}
     assert public - {"client", "sync"} == set(sandfleet.sdk.__all__)
 

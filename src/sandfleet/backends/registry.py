@@ -18,4 +18,5 @@ def load_backends(node_dir: Path) -> dict[str, Backend]:
     from sandfleet.backends.container import ContainerBackend
     from sandfleet.guest.build import agent_binary
 
-    return {"container": ContainerBackend(node_dir / "container", agent_binary())}
+    container = ContainerBackend(node_dir / "container", agent_binary(), node_id=node_dir.name)
+    return {"container": container}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
@@ -20,20 +24,83 @@ from prometheus_client import (
 
 from sandfleet.controlplane.service import ControlPlane
 from sandfleet.controlplane.store import SqlStore
-from sandfleet.wire.errors import InvalidArgument
+from sandfleet.wire.errors import InvalidArgument, SandfleetError, Unavailable
 from sandfleet.wire.models import (
     CreateSandboxRequest,
+    ErrorInfo,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
     NodeHeartbeat,
     NodeInfo,
     NodeRegistration,
+    OutputChunk,
+    ProcessInfo,
     SandboxInfo,
+    SpawnRequest,
 )
 from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("sandfleet.controlplane")
+
+NDJSON = "application/x-ndjson"
+#: Read timeout of calls that may rightly stay silent for as long as they like
+#: (a wait without a bound, following a quiet process's output).
+NO_READ_TIMEOUT = math.inf
+#: Extra seconds the node gets beyond a command's or a wait's own bound.
+NODE_MARGIN_S = 5.0
+
+
+async def _lines(
+    stack: AbstractAsyncContextManager[httpx.Response],
+    resp: httpx.Response,
+    error_line: Callable[[SandfleetError], bytes],
+    last: list[bytes],
+) -> AsyncIterator[bytes]:
+    """Relay an NDJSON answer as it comes, only ever in whole lines.
+
+    If the node's answer breaks off, the partial line is dropped and
+    ``error_line`` of an :class:`Unavailable` ends the stream, so the caller
+    reads a reason instead of a truncated line. ``last[0]`` is kept as the last
+    complete line relayed. Closing this (the caller went away) closes the
+    node's answer, which cancels the work there.
+    """
+    pending: list[bytes] = []
+    try:
+        try:
+            async for chunk in resp.aiter_raw():
+                cut = chunk.rfind(b"\n") + 1
+                if not cut:
+                    pending.append(chunk)  # a long line: relay it once it is whole
+                    continue
+                whole = b"".join([*pending, chunk[:cut]])
+                pending = [chunk[cut:]] if cut < len(chunk) else []
+                start = whole.rfind(b"\n", 0, len(whole) - 1) + 1
+                last[:] = [whole[start:]]
+                yield whole
+        except httpx.HTTPError as exc:
+            yield error_line(
+                Unavailable(
+                    f"the node's answer broke off ({type(exc).__name__}: {exc}); the node or its"
+                    " sandbox may have died: retry"
+                )
+            )
+            return
+        if pending:
+            yield error_line(Unavailable("the node's answer ended in the middle of a line"))
+    finally:
+        await stack.__aexit__(None, None, None)
+
+
+def _exec_error_line(exc: SandfleetError) -> bytes:
+    return ExecEvent(type="error", error=ErrorInfo(code=exc.code, message=exc.message)).to_line()
+
+
+def _plain_error_line(exc: SandfleetError) -> bytes:
+    return json.dumps(exc.to_wire()).encode() + b"\n"
 
 
 def _cp_of(request: Request) -> ControlPlane:
@@ -53,6 +120,30 @@ def _labels(label: list[str]) -> dict[str, str]:
             raise InvalidArgument(f"label filter {item!r} must look like key=value")
         out[key] = value
     return out
+
+
+async def _simple(
+    sandbox_id: str,
+    method: str,
+    suffix: str,
+    cp: ControlPlane,
+    *,
+    node_timeout_s: float | None = None,
+    json_body: object = None,
+    **params: object,
+) -> Response:
+    """Forward one call and relay the node's answer (body, status) as it is."""
+    kw: dict[str, object] = {"params": params}
+    if json_body is not None:
+        kw["json"] = json_body
+    async with cp.forward(sandbox_id, method, suffix, node_timeout_s, **kw) as resp:
+        body = await resp.aread()
+        return Response(body or None, status_code=resp.status_code, media_type="application/json")
+
+
+def _pid(process_id: str) -> str:
+    """A process id as one path segment (ids are ``p1``, ``p2``, ...)."""
+    return quote(process_id, safe="")
 
 
 def create_app(
@@ -153,6 +244,122 @@ def create_app(
         execs.labels(ExecResult.model_validate_json(body).status).inc()
         return Response(body, media_type="application/json")
 
+    @api.post("/sandboxes/{sandbox_id}/exec/stream")
+    async def exec_stream(
+        sandbox_id: str, req: ExecRequest, cp: CP, request: Request
+    ) -> StreamingResponse:
+        # The node answers once the first event exists (so a bad cwd is an HTTP
+        # error); until then a caller that goes away cancels the call.
+        stack = cp.forward(
+            sandbox_id,
+            "POST",
+            "/exec/stream",
+            timeout_s=req.timeout_s + NODE_MARGIN_S,
+            json=req.model_dump(mode="json"),
+        )
+        resp = await cancel_on_disconnect(request, stack.__aenter__())
+        last: list[bytes] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            async for piece in _lines(stack, resp, _exec_error_line, last):
+                yield piece
+            try:
+                event = ExecEvent.model_validate_json(last[0]) if last else None
+            except ValueError:
+                event = None
+            if event is not None and event.result is not None:
+                execs.labels(event.result.status).inc()
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    # ---------------------------------------------------------------- processes
+    @api.post("/sandboxes/{sandbox_id}/processes", status_code=201, response_model=ProcessInfo)
+    async def spawn(sandbox_id: str, req: SpawnRequest, cp: CP) -> Response:
+        return await _simple(
+            sandbox_id, "POST", "/processes", cp, json_body=req.model_dump(mode="json")
+        )
+
+    @api.get("/sandboxes/{sandbox_id}/processes")
+    async def list_processes(sandbox_id: str, cp: CP) -> Response:
+        return await _simple(sandbox_id, "GET", "/processes", cp)
+
+    @api.get("/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
+    async def get_process(sandbox_id: str, process_id: str, cp: CP) -> Response:
+        return await _simple(sandbox_id, "GET", f"/processes/{_pid(process_id)}", cp)
+
+    @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/wait", response_model=ProcessInfo)
+    async def wait_process(
+        sandbox_id: str,
+        process_id: str,
+        cp: CP,
+        request: Request,
+        timeout_s: Annotated[float | None, Query(ge=0, le=30 * 86400)] = None,
+    ) -> Response:
+        params = {} if timeout_s is None else {"timeout_s": timeout_s}
+        limit = NO_READ_TIMEOUT if timeout_s is None else timeout_s + NODE_MARGIN_S
+        work = _simple(
+            sandbox_id,
+            "POST",
+            f"/processes/{_pid(process_id)}/wait",
+            cp,
+            node_timeout_s=limit,
+            **params,
+        )
+        return await cancel_on_disconnect(request, work)
+
+    @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/kill", response_model=ProcessInfo)
+    async def kill_process(
+        sandbox_id: str,
+        process_id: str,
+        cp: CP,
+        signal: Annotated[int, Query(ge=1, le=64)] = 9,
+    ) -> Response:
+        return await _simple(
+            sandbox_id, "POST", f"/processes/{_pid(process_id)}/kill", cp, signal=signal
+        )
+
+    @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin", status_code=204)
+    async def write_stdin(sandbox_id: str, process_id: str, request: Request, cp: CP) -> Response:
+        async with cp.forward(
+            sandbox_id,
+            "POST",
+            f"/processes/{_pid(process_id)}/stdin",
+            content=request.stream(),
+            headers={"content-type": "application/octet-stream"},
+            timeout_s=600,
+        ):
+            return Response(status_code=204)
+
+    @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin/close", status_code=204)
+    async def close_stdin(sandbox_id: str, process_id: str, cp: CP) -> Response:
+        return await _simple(sandbox_id, "POST", f"/processes/{_pid(process_id)}/stdin/close", cp)
+
+    @api.get("/sandboxes/{sandbox_id}/processes/{process_id}/output", response_model=OutputChunk)
+    async def output(
+        sandbox_id: str,
+        process_id: str,
+        cp: CP,
+        stream: Literal["stdout", "stderr"] = "stdout",
+        offset: Annotated[int, Query(ge=0)] = 0,
+        follow: bool = False,
+    ) -> Response:
+        path = f"/processes/{_pid(process_id)}/output"
+        if not follow:
+            return await _simple(sandbox_id, "GET", path, cp, stream=stream, offset=offset)
+        stack = cp.forward(
+            sandbox_id,
+            "GET",
+            path,
+            timeout_s=NO_READ_TIMEOUT,
+            params={"stream": stream, "offset": offset, "follow": "true"},
+        )
+        resp = await stack.__aenter__()
+        return StreamingResponse(_lines(stack, resp, _plain_error_line, []), media_type=NDJSON)
+
+    @api.delete("/sandboxes/{sandbox_id}/processes/{process_id}", status_code=204)
+    async def remove_process(sandbox_id: str, process_id: str, cp: CP) -> Response:
+        return await _simple(sandbox_id, "DELETE", f"/processes/{_pid(process_id)}", cp)
+
     # ---------------------------------------------------------------- files
     @api.get("/sandboxes/{sandbox_id}/files/content")
     async def download(
@@ -187,15 +394,6 @@ def create_app(
         ) as resp:
             body = await resp.aread()
         return Response(body, media_type="application/json")
-
-    async def _simple(
-        sandbox_id: str, method: str, suffix: str, cp: ControlPlane, **params: object
-    ) -> Response:
-        async with cp.forward(sandbox_id, method, suffix, params=params) as resp:
-            body = await resp.aread()
-            return Response(
-                body or None, status_code=resp.status_code, media_type="application/json"
-            )
 
     @api.get("/sandboxes/{sandbox_id}/files/list")
     async def list_dir(sandbox_id: str, path: str, cp: CP) -> Response:

@@ -4,25 +4,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from sandfleet.node.registration import heartbeat_forever
 from sandfleet.node.service import NodeService
+from sandfleet.wire.errors import SandfleetError
 from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
     NodeCreateRequest,
     NodeRegistration,
+    OutputChunk,
+    ProcessInfo,
+    SpawnRequest,
 )
 from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
 
 __all__ = ["create_node_app"]
+
+NDJSON = "application/x-ndjson"
+Stream = Literal["stdout", "stderr"]
+
+
+async def _chunk_lines(chunks: AsyncIterator[OutputChunk]) -> AsyncIterator[bytes]:
+    """NDJSON lines of ``chunks``; a failure mid-stream ends it with an ``{"error"}`` line."""
+    try:
+        async for chunk in chunks:
+            yield chunk.model_dump_json().encode() + b"\n"
+    except SandfleetError as exc:
+        yield json.dumps(exc.to_wire()).encode() + b"\n"
 
 
 def create_node_app(
@@ -82,6 +99,91 @@ def create_node_app(
     async def exec_(sandbox_id: str, req: ExecRequest, request: Request) -> ExecResult:
         return await cancel_on_disconnect(request, svc.exec(sandbox_id, req))
 
+    @api.post("/{sandbox_id}/exec/stream")
+    async def exec_stream(sandbox_id: str, req: ExecRequest, request: Request) -> StreamingResponse:
+        # Errors before the first event (bad cwd, unknown user) are HTTP errors, so
+        # the answer starts with the first event; a client gone meanwhile cancels it.
+        cm = svc.exec_stream(sandbox_id, req)
+        events = await cancel_on_disconnect(request, cm.__aenter__())
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for event in events:
+                    yield event.to_line()
+            finally:
+                # A client gone mid-stream cancels this body: the command is killed.
+                await cm.__aexit__(None, None, None)
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    # ---------------------------------------------------------------- processes
+    @api.post("/{sandbox_id}/processes", status_code=201)
+    async def spawn(sandbox_id: str, req: SpawnRequest) -> ProcessInfo:
+        return await svc.spawn(sandbox_id, req)
+
+    @api.get("/{sandbox_id}/processes")
+    async def list_processes(sandbox_id: str) -> dict[str, list[ProcessInfo]]:
+        return {"processes": await svc.list_processes(sandbox_id)}
+
+    @api.get("/{sandbox_id}/processes/{process_id}")
+    async def get_process(sandbox_id: str, process_id: str) -> ProcessInfo:
+        return await svc.get_process(sandbox_id, process_id)
+
+    @api.post("/{sandbox_id}/processes/{process_id}/wait")
+    async def wait_process(
+        sandbox_id: str,
+        process_id: str,
+        request: Request,
+        timeout_s: Annotated[float | None, Query(ge=0, le=30 * 86400)] = None,
+    ) -> ProcessInfo:
+        await request.body()  # read (and ignore) any body: the next message is the disconnect
+        work = svc.wait_process(sandbox_id, process_id, timeout_s)
+        return await cancel_on_disconnect(request, work)
+
+    @api.post("/{sandbox_id}/processes/{process_id}/kill")
+    async def kill_process(
+        sandbox_id: str, process_id: str, signal: Annotated[int, Query(ge=1, le=64)] = 9
+    ) -> ProcessInfo:
+        return await svc.kill_process(sandbox_id, process_id, signal)
+
+    @api.post("/{sandbox_id}/processes/{process_id}/stdin", status_code=204)
+    async def write_stdin(sandbox_id: str, process_id: str, request: Request) -> Response:
+        await svc.write_stdin(sandbox_id, process_id, request.stream())
+        return Response(status_code=204)
+
+    @api.post("/{sandbox_id}/processes/{process_id}/stdin/close", status_code=204)
+    async def close_stdin(sandbox_id: str, process_id: str) -> Response:
+        await svc.close_stdin(sandbox_id, process_id)
+        return Response(status_code=204)
+
+    @api.get("/{sandbox_id}/processes/{process_id}/output", response_model=None)
+    async def output(
+        sandbox_id: str,
+        process_id: str,
+        stream: Stream = "stdout",
+        offset: Annotated[int, Query(ge=0)] = 0,
+        follow: bool = False,
+    ) -> OutputChunk | StreamingResponse:
+        if not follow:
+            return await svc.read_output(sandbox_id, process_id, stream, offset)
+        cm = svc.follow_output(sandbox_id, process_id, stream, offset)
+        chunks = await cm.__aenter__()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for line in _chunk_lines(chunks):
+                    yield line
+            finally:
+                await cm.__aexit__(None, None, None)
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    @api.delete("/{sandbox_id}/processes/{process_id}", status_code=204)
+    async def remove_process(sandbox_id: str, process_id: str) -> Response:
+        await svc.remove_process(sandbox_id, process_id)
+        return Response(status_code=204)
+
+    # ---------------------------------------------------------------- files
     @api.get("/{sandbox_id}/files/content")
     async def download(
         sandbox_id: str, path: str, max_bytes: int | None = None

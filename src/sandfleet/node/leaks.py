@@ -87,6 +87,9 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
         for c in json.loads(out or "null") or []:
             if mine(c["id"]):
                 found.append(f"runc container {c['id']} ({c['status']})")
+    from sandfleet.backends.container.disk import loop_devices_under
+
+    found += [f"loop device {dev}" for dev in loop_devices_under(state_dir) if mine(str(dev))]
     if only is None:
         found += [f"process {pid} inside a sandbox rootfs" for pid in _box_pids(state_dir)]
     return found

@@ -16,17 +16,22 @@ import signal
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
-from sandfleet.guest.client import AgentClient
+from sandfleet.guest.client import AgentClient, OutputCallback
 from sandfleet.wire.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    SandfleetError,
 )
 from sandfleet.wire.models import (
+    ErrorInfo,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
@@ -34,11 +39,22 @@ from sandfleet.wire.models import (
     NodeCapacity,
     NodeCreateRequest,
     NodeHeartbeat,
+    OutputChunk,
+    ProcessInfo,
+    SpawnRequest,
 )
 
 __all__ = ["NodeService"]
 
 log = logging.getLogger("sandfleet.node")
+
+#: Output events a streaming exec may hold before the command is made to wait
+#: (back-pressure from a slow reader reaches the command's pipe).
+STREAM_QUEUE_EVENTS = 16
+#: Largest output event a streaming exec makes by merging queued chunks, bytes.
+STREAM_MERGE_BYTES = 1 << 20
+
+_Output = tuple[Literal["stdout", "stderr"], bytes]
 
 
 @dataclass
@@ -185,14 +201,29 @@ class NodeService:
 
     # ------------------------------------------------------------------ inside the box
 
-    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        """Run a command; status ``oom`` when the box's OOM counter rose and it was SIGKILLed."""
+    def _command(self, box: _Box, req: ExecRequest | SpawnRequest) -> dict[str, object]:
+        """The env merge (image, sandbox, request: last wins) and default cwd of every command."""
+        return {
+            "env": {**box.config.env, **box.request.env, **req.env},
+            "cwd": req.cwd or box.config.workdir,
+        }
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        req: ExecRequest,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run a command; status ``oom`` when the box's OOM counter rose and it was SIGKILLed.
+
+        Output chunks go to ``on_stdout``/``on_stderr`` (plain or async) as they arrive.
+        """
         box = self._box(sandbox_id)
         backend = self.backends[box.request.kind]
-        env = {**box.config.env, **box.request.env, **req.env}
-        req = req.model_copy(update={"env": env, "cwd": req.cwd or box.config.workdir})
+        req = req.model_copy(update=self._command(box, req))
         ooms_before = backend.oom_kills(sandbox_id)
-        result = await box.agent.exec(req)
+        result = await box.agent.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
         if (
             result.status == "signaled"
             and result.signal == signal.SIGKILL
@@ -200,6 +231,130 @@ class NodeService:
         ):
             result = result.model_copy(update={"status": "oom"})
         return result
+
+    @contextlib.asynccontextmanager
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
+        """Run a command as :meth:`exec` does and yield its events as they come.
+
+        Errors before the first event (unknown sandbox, bad cwd, unknown user)
+        raise here; later ones become a final ``error`` event. The last event is
+        ``result`` (stdout/stderr empty: the chunks carried them) or ``error``.
+        Leaving the context before the end cancels the command (the agent kills
+        its process tree).
+        """
+        self._box(sandbox_id)
+        queue: asyncio.Queue[_Output | ExecEvent | SandfleetError]
+        queue = asyncio.Queue(STREAM_QUEUE_EVENTS)
+
+        async def out(data: bytes) -> None:
+            await queue.put(("stdout", data))
+
+        async def err(data: bytes) -> None:
+            await queue.put(("stderr", data))
+
+        async def run() -> None:
+            try:
+                result = await self.exec(sandbox_id, req, on_stdout=out, on_stderr=err)
+            except SandfleetError as exc:
+                await queue.put(exc)
+            except Exception as exc:  # becomes an error event, logged
+                log.exception("streaming exec in %s failed", sandbox_id)
+                await queue.put(Internal(f"internal error: {type(exc).__name__}: {exc}"))
+            else:
+                empty = result.model_copy(update={"stdout": b"", "stderr": b""})
+                await queue.put(ExecEvent(type="result", result=empty))
+
+        task = asyncio.ensure_future(run())
+        try:
+            first = await queue.get()
+            if isinstance(first, SandfleetError):
+                raise first
+
+            async def events() -> AsyncIterator[ExecEvent]:
+                item: _Output | ExecEvent | SandfleetError | None = first
+                while True:
+                    if item is None:
+                        item = await queue.get()
+                    if isinstance(item, SandfleetError):
+                        info = ErrorInfo(code=item.code, message=item.message)
+                        yield ExecEvent(type="error", error=info)
+                        return
+                    if isinstance(item, ExecEvent):
+                        yield item  # the result
+                        return
+                    # Output the reader has not taken yet goes out as one event (up to
+                    # STREAM_MERGE_BYTES): a slow reader gets fewer, larger lines.
+                    kind, data = item
+                    parts, size, item = [data], len(data), None
+                    while size < STREAM_MERGE_BYTES and not queue.empty():
+                        nxt = queue.get_nowait()
+                        if not isinstance(nxt, tuple) or nxt[0] != kind:
+                            item = nxt
+                            break
+                        parts.append(nxt[1])
+                        size += len(nxt[1])
+                    yield ExecEvent(type=kind, data=b"".join(parts))
+
+            yield events()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # ------------------------------------------------------------------ spawned processes
+
+    async def spawn(self, sandbox_id: str, req: SpawnRequest) -> ProcessInfo:
+        """Start a background process with the same env merge and default cwd as exec."""
+        box = self._box(sandbox_id)
+        return await box.agent.spawn(req.model_copy(update=self._command(box, req)))
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return await self._box(sandbox_id).agent.list_processes()
+
+    async def get_process(self, sandbox_id: str, process_id: str) -> ProcessInfo:
+        return await self._box(sandbox_id).agent.wait_process(process_id, timeout_s=0)
+
+    async def wait_process(
+        self, sandbox_id: str, process_id: str, timeout_s: float | None
+    ) -> ProcessInfo:
+        return await self._box(sandbox_id).agent.wait_process(process_id, timeout_s)
+
+    async def kill_process(self, sandbox_id: str, process_id: str, sig: int) -> ProcessInfo:
+        return await self._box(sandbox_id).agent.kill_process(process_id, sig)
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: AsyncIterable[bytes]
+    ) -> None:
+        await self._box(sandbox_id).agent.write_stdin(process_id, data)
+
+    async def close_stdin(self, sandbox_id: str, process_id: str) -> None:
+        await self._box(sandbox_id).agent.close_stdin(process_id)
+
+    async def read_output(
+        self, sandbox_id: str, process_id: str, stream: str, offset: int
+    ) -> OutputChunk:
+        return await self._box(sandbox_id).agent.read_output(process_id, stream, offset)
+
+    @contextlib.asynccontextmanager
+    async def follow_output(
+        self, sandbox_id: str, process_id: str, stream: str, offset: int
+    ) -> AsyncIterator[AsyncIterator[OutputChunk]]:
+        """Yield the process's output from ``offset`` as it comes, until it has ended.
+
+        An unknown sandbox or process raises here, before the first chunk.
+        """
+        agent = self._box(sandbox_id).agent
+        await agent.wait_process(process_id, timeout_s=0)
+        chunks = agent.follow_output(process_id, stream, offset)
+        try:
+            yield chunks
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    async def remove_process(self, sandbox_id: str, process_id: str) -> None:
+        await self._box(sandbox_id).agent.remove_process(process_id)
 
     @contextlib.asynccontextmanager
     async def read_file(

@@ -14,7 +14,7 @@
 Errors are :mod:`sandfleet.wire.errors` classes; no httpx exception escapes.
 """
 
-from sandfleet.sdk.client import AsyncClient, AsyncSandbox
-from sandfleet.sdk.sync import Client, Sandbox
+from sandfleet.sdk.client import AsyncClient, AsyncProcess, AsyncSandbox
+from sandfleet.sdk.sync import Client, Process, Sandbox
 
-__all__ = ["AsyncClient", "AsyncSandbox", "Client", "Sandbox"]
+__all__ = ["AsyncClient", "AsyncProcess", "AsyncSandbox", "Client", "Process", "Sandbox"]

@@ -8,6 +8,7 @@ are translated all live here, so :mod:`sandfleet.sdk.client` (async) and
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import socket
@@ -32,12 +33,16 @@ from sandfleet.wire.models import (
     BUILT_KINDS,
     KINDS,
     CreateSandboxRequest,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
     ImageManifest,
     NodeInfo,
+    OutputChunk,
+    ProcessInfo,
     SandboxInfo,
+    SpawnRequest,
 )
 
 T = TypeVar("T")
@@ -52,6 +57,14 @@ ENV_TOKEN = "SANDFLEET_TOKEN"
 EXEC_MARGIN_S = 10.0
 #: Size of the pieces streamed uploads and downloads are moved in, bytes.
 CHUNK_BYTES = 1 << 20
+#: A request timeout meaning "no read timeout": the answer may rightly take as
+#: long as it likes (waiting for a process without a bound, following its output).
+#: Connecting and sending still use the client's timeout.
+NO_READ_TIMEOUT = math.inf
+#: Default cap on a command's captured stdout and stderr, each, bytes.
+EXEC_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
+#: Default output a spawned process keeps per stream (the most recent), bytes.
+SPAWN_MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 #: ``max_connections=None``: no client-side queue; thousands of concurrent execs
 #: each hold a connection, and the control plane's admission is the limit.
 POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -121,6 +134,18 @@ class Settings:
     def exec_timeout_s(self, cmd_timeout_s: float) -> float:
         """Seconds an exec request may take: the command's timeout plus a margin."""
         return cmd_timeout_s + EXEC_MARGIN_S
+
+    def http_timeout(self, timeout_s: float | None) -> httpx.Timeout | None:
+        """The httpx timeout of a request taking ``timeout_s`` seconds.
+
+        None: the client's own timeout (returns None). :data:`NO_READ_TIMEOUT`:
+        no bound on reading the answer, the client's timeout for the rest.
+        """
+        if timeout_s is None:
+            return None
+        if timeout_s == NO_READ_TIMEOUT:
+            return httpx.Timeout(self.timeout_s, read=None)
+        return httpx.Timeout(timeout_s)
 
     def headers(self) -> dict[str, str]:
         """Headers every request carries (the bearer token, when there is one)."""
@@ -298,19 +323,31 @@ def exec_body(
     cwd: str | None,
     stdin: bytes | str | None,
     timeout_s: float,
+    user: str | None = None,
+    max_output_bytes: int = EXEC_MAX_OUTPUT_BYTES,
 ) -> bytes:
     """The JSON body of an exec call (validated, so a bad call fails before any request)."""
     if isinstance(stdin, str):
         stdin = stdin.encode()
     body = _build(
         ExecRequest,
-        cmd=cmd if isinstance(cmd, str) else list(cmd),
+        cmd=_cmd(cmd),
         env=dict(env or {}),
         cwd=cwd,
         stdin=stdin or b"",
         timeout_s=timeout_s,
+        user=user,
+        max_output_bytes=max_output_bytes,
     )
     return body.model_dump_json().encode()
+
+
+def _cmd(cmd: str | Sequence[str]) -> str | list[str]:
+    if isinstance(cmd, str):
+        return cmd
+    if isinstance(cmd, bytes | bytearray):
+        raise InvalidArgument("cmd is bytes: give a str (run by /bin/sh -c) or a list of str")
+    return list(cmd)
 
 
 def exec_request(
@@ -324,6 +361,249 @@ def exec_request(
         headers=_JSON,
         timeout_s=settings.exec_timeout_s(timeout_s),
     )
+
+
+def exec_stream_request(
+    settings: Settings, sandbox_id: str, body: bytes, timeout_s: float
+) -> Request[None]:
+    """A streaming exec: the answer is NDJSON :class:`ExecEvent` lines (see :class:`Lines`)."""
+    return Request(
+        "POST",
+        _sandbox_path(sandbox_id, "/exec/stream"),
+        _none,
+        body=body,
+        headers=_JSON,
+        timeout_s=settings.exec_timeout_s(timeout_s),
+    )
+
+
+class ExecCollector:
+    """Rebuilds a full :class:`ExecResult` from the events of a streaming exec."""
+
+    def __init__(self) -> None:
+        self._out = bytearray()
+        self._err = bytearray()
+        self._result: ExecResult | None = None
+
+    def add(self, event: ExecEvent) -> None:
+        if event.type == "stdout":
+            self._out += event.data
+        elif event.type == "stderr":
+            self._err += event.data
+        elif event.type == "result":
+            self._result = event.result
+
+    def result(self) -> ExecResult:
+        """The result with the collected output; Internal if the stream had no result."""
+        if self._result is None:
+            raise Internal("the exec stream ended without a result event")
+        return self._result.model_copy(
+            update={"stdout": bytes(self._out), "stderr": bytes(self._err)}
+        )
+
+
+class Lines:
+    """Splits a byte stream into NDJSON lines (no I/O); feed chunks, then call :meth:`end`."""
+
+    def __init__(self) -> None:
+        self._pending: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The complete lines ``chunk`` finishes, without their newlines."""
+        if b"\n" not in chunk:
+            self._pending.append(chunk)  # a long line: join once, when it ends
+            return []
+        lines = b"".join([*self._pending, chunk]).split(b"\n")
+        tail = lines.pop()
+        self._pending = [tail] if tail else []
+        return [line for line in lines if line]
+
+    def end(self) -> None:
+        """Raise Unavailable if the stream stopped in the middle of a line."""
+        if b"".join(self._pending).strip():
+            raise Unavailable("the server's answer ended in the middle of a line; retry")
+
+
+def _stream_error(line: bytes, what: str) -> SandfleetError | None:
+    """The error an ``{"error": {...}}`` line carries, if it is one."""
+    if not line.startswith(b'{"error"'):
+        return None
+    try:
+        body = json.loads(line)
+    except ValueError:
+        return Internal(f"{what}: malformed error line {line[:200]!r}")
+    return error_from_wire(body, 500)
+
+
+def parse_exec_event(line: bytes) -> ExecEvent:
+    """One line of an exec stream; an ``error`` event is raised as its SandfleetError."""
+    try:
+        event = ExecEvent.model_validate_json(line)
+    except ValueError as exc:
+        raise Internal(f"unexpected line in an exec stream: {str(exc)[:300]}") from None
+    if event.type == "error":
+        err = event.error
+        raise error_from_wire(
+            {"error": err.model_dump() if err else {"code": "INTERNAL", "message": ""}}, 500
+        )
+    if event.type == "result" and event.result is None:
+        raise Internal("an exec stream's result event carried no result")
+    return event
+
+
+def parse_chunk_line(line: bytes) -> OutputChunk:
+    """One line of a followed output; an ``{"error"}`` line is raised as its SandfleetError."""
+    if (err := _stream_error(line, "output stream")) is not None:
+        raise err
+    try:
+        return OutputChunk.model_validate_json(line)
+    except ValueError as exc:
+        raise Internal(f"unexpected line in an output stream: {str(exc)[:300]}") from None
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class _Processes(_Answer):
+    processes: list[ProcessInfo]
+
+
+def _processes(content: bytes) -> list[ProcessInfo]:
+    return _Processes.model_validate_json(content).processes
+
+
+def _process_path(sandbox_id: str, process_id: str, suffix: str = "") -> str:
+    if not isinstance(process_id, str) or not process_id:
+        raise InvalidArgument(f"process_id must be a non-empty string, got {process_id!r}")
+    return _sandbox_path(sandbox_id, f"/processes/{quote(process_id, safe='')}{suffix}")
+
+
+def spawn_request(
+    sandbox_id: str,
+    cmd: str | Sequence[str],
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    stdin: bytes | str | None,
+    timeout_s: float | None,
+    user: str | None,
+    close_stdin: bool,
+    max_output_bytes: int,
+) -> Request[ProcessInfo]:
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    body = _build(
+        SpawnRequest,
+        cmd=_cmd(cmd),
+        env=dict(env or {}),
+        cwd=cwd,
+        stdin=stdin or b"",
+        timeout_s=timeout_s,
+        user=user,
+        close_stdin=close_stdin,
+        max_output_bytes=max_output_bytes,
+    )
+    return Request(
+        "POST",
+        _sandbox_path(sandbox_id, "/processes"),
+        _model(ProcessInfo),
+        body=body.model_dump_json().encode(),
+        headers=_JSON,
+    )
+
+
+def processes_request(sandbox_id: str) -> Request[list[ProcessInfo]]:
+    return Request("GET", _sandbox_path(sandbox_id, "/processes"), _processes)
+
+
+def process_request(sandbox_id: str, process_id: str) -> Request[ProcessInfo]:
+    return Request("GET", _process_path(sandbox_id, process_id), _model(ProcessInfo))
+
+
+def _seconds(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise InvalidArgument(f"{name} must be a number of seconds >= 0, or None; got {value!r}")
+    return float(value)
+
+
+def wait_request(
+    settings: Settings, sandbox_id: str, process_id: str, timeout_s: float | None
+) -> Request[ProcessInfo]:
+    timeout_s = _seconds("timeout_s", timeout_s)
+    return Request(
+        "POST",
+        _process_path(sandbox_id, process_id, "/wait"),
+        _model(ProcessInfo),
+        params=None if timeout_s is None else (("timeout_s", repr(timeout_s)),),
+        timeout_s=NO_READ_TIMEOUT if timeout_s is None else settings.exec_timeout_s(timeout_s),
+    )
+
+
+def kill_request(sandbox_id: str, process_id: str, signal: int) -> Request[ProcessInfo]:
+    if isinstance(signal, bool) or not isinstance(signal, int) or not 1 <= signal <= 64:
+        raise InvalidArgument(f"signal must be a signal number 1-64 (e.g. 9, 15), got {signal!r}")
+    return Request(
+        "POST",
+        _process_path(sandbox_id, process_id, "/kill"),
+        _model(ProcessInfo),
+        params=(("signal", str(int(signal))),),
+    )
+
+
+def stdin_request(sandbox_id: str, process_id: str, data: bytes | str) -> Request[None]:
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"data must be bytes or str, got {type(data).__name__}")
+    return Request(
+        "POST",
+        _process_path(sandbox_id, process_id, "/stdin"),
+        _none,
+        body=bytes(data),
+        headers=_OCTETS,
+    )
+
+
+def close_stdin_request(sandbox_id: str, process_id: str) -> Request[None]:
+    return Request("POST", _process_path(sandbox_id, process_id, "/stdin/close"), _none)
+
+
+def _output_params(stream: str, offset: int) -> tuple[tuple[str, str], ...]:
+    if stream not in ("stdout", "stderr"):
+        raise InvalidArgument(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidArgument(f"offset must be an int >= 0 (bytes), got {offset!r}")
+    return (("stream", stream), ("offset", str(offset)))
+
+
+def read_output_request(
+    sandbox_id: str, process_id: str, stream: str, offset: int
+) -> Request[OutputChunk]:
+    return Request(
+        "GET",
+        _process_path(sandbox_id, process_id, "/output"),
+        _model(OutputChunk),
+        params=_output_params(stream, offset),
+    )
+
+
+def follow_output_request(
+    sandbox_id: str, process_id: str, stream: str, offset: int
+) -> Request[None]:
+    """Output as NDJSON :class:`OutputChunk` lines until the process ends (see :class:`Lines`)."""
+    return Request(
+        "GET",
+        _process_path(sandbox_id, process_id, "/output"),
+        _none,
+        params=(*_output_params(stream, offset), ("follow", "true")),
+        timeout_s=NO_READ_TIMEOUT,
+    )
+
+
+def remove_process_request(sandbox_id: str, process_id: str) -> Request[None]:
+    return Request("DELETE", _process_path(sandbox_id, process_id), _none)
 
 
 #: Default cap on :meth:`files.read`, bytes; larger files go through ``download``.
@@ -450,6 +730,8 @@ def translate_errors(settings: Settings, request: Request[Any]) -> Iterator[None
         ) from exc
     except httpx.TimeoutException as exc:
         waited = request.timeout_s if request.timeout_s is not None else settings.timeout_s
+        if waited == NO_READ_TIMEOUT:
+            waited = settings.timeout_s
         raise DeadlineExceeded(
             f"{what} to {settings.url} got no answer within {waited:g} s"
             f" ({type(exc).__name__}); pass a larger timeout_s or retry"

@@ -16,20 +16,41 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import inspect
 import os
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
 import httpx
 
 from sandfleet.sdk import _core
-from sandfleet.wire.errors import FailedPrecondition, NotFound
-from sandfleet.wire.models import ExecResult, FileEntry, ImageManifest, NodeInfo, SandboxInfo
+from sandfleet.wire.errors import FailedPrecondition, Internal, NotFound
+from sandfleet.wire.models import (
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    ImageManifest,
+    NodeInfo,
+    OutputChunk,
+    ProcessInfo,
+    SandboxInfo,
+)
 
-__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox"]
+__all__ = ["AsyncClient", "AsyncFiles", "AsyncProcess", "AsyncSandbox", "OutputCallback"]
 
 T = TypeVar("T")
+
+OutputCallback = Callable[[bytes], Awaitable[None] | None]
+"""Receives output bytes as they arrive; a plain or an async function."""
 
 
 class AsyncClient:
@@ -76,10 +97,14 @@ class AsyncClient:
 
     # ----------------------------------------------------------------- transport
 
-    async def _send(self, request: _core.Request[T], content: Any = None) -> T:
+    def _timeout(self, request: _core.Request[Any]) -> Any:
         if self._closed:
             raise FailedPrecondition("this AsyncClient is closed; create a new one")
-        timeout: Any = httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
+        timeout = self._settings.http_timeout(request.timeout_s)
+        return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+
+    async def _send(self, request: _core.Request[T], content: Any = None) -> T:
+        timeout = self._timeout(request)
         with _core.translate_errors(self._settings, request):
             response = await self._http.request(
                 request.method,
@@ -90,6 +115,30 @@ class AsyncClient:
                 timeout=timeout,
             )
         return _core.finish(request, response.status_code, response.content)
+
+    async def _lines(self, request: _core.Request[Any]) -> AsyncGenerator[bytes, None]:
+        """The NDJSON lines of a streamed answer, as they arrive.
+
+        Closing this generator early closes the connection, which cancels the
+        work on the server (a streaming exec's command is killed).
+        """
+        timeout = self._timeout(request)
+        with _core.translate_errors(self._settings, request):
+            async with self._http.stream(
+                request.method,
+                request.path,
+                params=request.params,
+                content=request.body,
+                headers=request.headers,
+                timeout=timeout,
+            ) as response:
+                if response.status_code >= 400:
+                    _core.check_status(response.status_code, await response.aread())
+                lines = _core.Lines()
+                async for chunk in response.aiter_raw():
+                    for line in lines.feed(chunk):
+                        yield line
+                lines.end()
 
     def _keep(self, future: asyncio.Future[Any]) -> None:
         """Track a cleanup task that must finish before :meth:`close` returns."""
@@ -172,6 +221,7 @@ class AsyncClient:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float = 60.0,
+        user: str | None = None,
         cpu: float = 1.0,
         memory_mb: int = 512,
         pids_limit: int = 256,
@@ -203,7 +253,7 @@ class AsyncClient:
             labels=labels,
             env=None,
         )
-        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s, user=user)
         creating = asyncio.ensure_future(self._create(create))
         try:
             sandbox = await asyncio.shield(creating)
@@ -289,6 +339,10 @@ class AsyncSandbox:
         cwd: str | None = None,
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
+        user: str | None = None,
+        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
         """Run a command and wait for it to end.
 
@@ -296,21 +350,154 @@ class AsyncSandbox:
         ``env`` is added to the sandbox's environment; ``cwd`` defaults to the
         image's workdir; ``stdin`` (str is UTF-8 encoded) is empty unless given;
         ``timeout_s`` (seconds, > 0) bounds the command, whose process group is
-        then killed and the result has ``status == "timeout"``. A non-zero exit is a
-        result, not an error: check ``result.ok``.
+        then killed and the result has ``status == "timeout"``. ``user`` runs it
+        as a user of the sandbox's ``/etc/passwd``: a name, a uid or
+        ``"user:group"`` (None: root). ``max_output_bytes`` caps the stdout and
+        stderr kept, each: the first half and the last half are kept, the middle
+        is dropped and counted in ``stdout_dropped``/``stderr_dropped``. A
+        non-zero exit is a result, not an error: check ``result.ok``.
 
-        Raises ``InvalidArgument`` (bad arguments, before any request),
-        ``NotFound`` (the sandbox is gone), ``Unavailable``, ``DeadlineExceeded``
-        (no answer within ``timeout_s`` + a margin).
+        With ``on_stdout``/``on_stderr`` (functions taking ``bytes``; with
+        :class:`AsyncClient` they may be async), output is streamed: each is
+        called with the bytes as the command writes them, and the result still
+        carries the whole ``stdout``/``stderr``. An exception from a callback
+        ends the call and kills the command.
+
+        Raises ``InvalidArgument`` (bad arguments, before any request; a missing
+        ``cwd``; an unknown user), ``PermissionDenied`` (the sandbox cannot
+        switch users), ``NotFound`` (the sandbox is gone), ``Unavailable``,
+        ``DeadlineExceeded`` (no answer within ``timeout_s`` + a margin).
         """
-        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
-        return await self._exec(body, timeout_s)
+        body = _core.exec_body(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            max_output_bytes=max_output_bytes,
+        )
+        if on_stdout is None and on_stderr is None:
+            return await self._exec(body, timeout_s)
+        collected = _core.ExecCollector()
+        async with contextlib.aclosing(self._exec_events(body, timeout_s)) as events:
+            async for event in events:
+                callback = {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)
+                if callback is not None and inspect.isawaitable(done := callback(event.data)):
+                    await done
+                collected.add(event)
+        return collected.result()
+
+    async def exec_stream(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+        user: str | None = None,
+        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command and yield its output as it comes, then how it ended.
+
+        Arguments as for :meth:`exec`. Yields :class:`ExecEvent` s: ``stdout``
+        and ``stderr`` events carry ``data`` (bytes, as the command wrote them;
+        their concatenation is what :meth:`exec` returns), and the last one is
+        the ``result`` event, whose ``result`` has empty ``stdout``/``stderr``.
+        Stopping early (``break``; ``contextlib.aclosing`` closes it at once)
+        closes the connection and kills the command's process tree. Nothing is
+        sent until the iteration starts.
+
+        Raises, while iterating, what :meth:`exec` raises; a failure after the
+        output began (the sandbox died) is raised instead of the result.
+        """
+        body = _core.exec_body(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            max_output_bytes=max_output_bytes,
+        )
+        async with contextlib.aclosing(self._exec_events(body, timeout_s)) as events:
+            async for event in events:
+                yield event
 
     async def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
         client = self._client
         return await client._send(
             _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
         )
+
+    async def _exec_events(self, body: bytes, timeout_s: float) -> AsyncGenerator[ExecEvent, None]:
+        client = self._client
+        request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
+        async with contextlib.aclosing(client._lines(request)) as lines:
+            async for line in lines:
+                event = _core.parse_exec_event(line)
+                yield event
+                if event.type == "result":
+                    return
+        raise Internal("the exec stream ended without a result event")
+
+    # ----------------------------------------------------------------- processes
+
+    async def spawn(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float | None = None,
+        user: str | None = None,
+        close_stdin: bool = False,
+        max_output_bytes: int = _core.SPAWN_MAX_OUTPUT_BYTES,
+    ) -> AsyncProcess:
+        """Start a background process and return its handle at once.
+
+        ``cmd``, ``env``, ``cwd`` and ``user`` as for :meth:`exec`. ``stdin``
+        (at most 4 MiB; str is UTF-8 encoded) is written first; stdin then stays
+        open for :meth:`AsyncProcess.write_stdin` unless ``close_stdin``.
+        ``timeout_s`` (seconds; None: no limit) kills its process tree at the
+        deadline. Each stream keeps its most recent ``max_output_bytes`` bytes,
+        readable by absolute offset. The process outlives this client: find it
+        again with :meth:`process` (its id) or :meth:`processes`.
+
+        Raises ``InvalidArgument`` (bad arguments; a missing ``cwd``; an unknown
+        user), ``PermissionDenied`` (the sandbox cannot switch users),
+        ``FailedPrecondition`` (the sandbox is at its process limit),
+        ``NotFound`` (the sandbox is gone), ``Unavailable``, ``DeadlineExceeded``.
+        """
+        request = _core.spawn_request(
+            self._sandbox_id(),
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            close_stdin=close_stdin,
+            max_output_bytes=max_output_bytes,
+        )
+        return AsyncProcess(self, await self._client._send(request))
+
+    async def processes(self) -> builtins.list[ProcessInfo]:
+        """Every spawned process of the sandbox not yet removed, running or ended.
+
+        The sandbox keeps the records of at most 64 ended processes (oldest go first).
+        """
+        return await self._client._send(_core.processes_request(self._sandbox_id()))
+
+    async def process(self, process_id: str) -> AsyncProcess:
+        """A handle on a spawned process by its id, e.g. from another client or run.
+
+        Raises ``NotFound`` if the sandbox has no such process (or removed it).
+        """
+        request = _core.process_request(self._sandbox_id(), process_id)
+        return AsyncProcess(self, await self._client._send(request))
 
     async def refresh(self) -> SandboxInfo:
         """Fetch the sandbox's current record, store it in :attr:`info` and return it."""
@@ -335,6 +522,109 @@ class AsyncSandbox:
         tb: TracebackType | None,
     ) -> None:
         await self._client._destroy_shielded(self)
+
+
+class AsyncProcess:
+    """A background process in a sandbox; made by :meth:`AsyncSandbox.spawn` or
+    :meth:`AsyncSandbox.process`.
+
+    The process lives in the sandbox, not in this handle: dropping the handle
+    or closing the client leaves it running. Every method raises ``NotFound``
+    (the process was removed or the sandbox is gone), ``Unavailable`` and
+    ``DeadlineExceeded`` besides what it names.
+    """
+
+    def __init__(self, sandbox: AsyncSandbox, info: ProcessInfo) -> None:
+        self._sandbox = sandbox
+        self._info = info
+
+    @property
+    def id(self) -> str:
+        """The process's id in its sandbox (``p1``, ``p2``, ...)."""
+        return self._info.id
+
+    @property
+    def info(self) -> ProcessInfo:
+        """What the sandbox last said about the process (see :meth:`refresh`)."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"AsyncProcess(id={self.id!r}, pid={self._info.pid}, state={self._info.state!r})"
+
+    def _sid(self) -> str:
+        return self._sandbox._sandbox_id()
+
+    async def _update(self, request: _core.Request[ProcessInfo]) -> ProcessInfo:
+        self._info = await self._sandbox._client._send(request)
+        return self._info
+
+    async def refresh(self) -> ProcessInfo:
+        """Fetch the process's current record, store it in :attr:`info` and return it."""
+        return await self._update(_core.process_request(self._sid(), self.id))
+
+    async def wait(self, timeout_s: float | None = None) -> ProcessInfo:
+        """Wait until the process ends, at most ``timeout_s`` seconds (None: no limit).
+
+        Returns its record, whose ``state`` is still ``running`` if the time ran
+        out first. Raises ``InvalidArgument`` for a negative ``timeout_s``.
+        """
+        client = self._sandbox._client
+        return await self._update(
+            _core.wait_request(client._settings, self._sid(), self.id, timeout_s)
+        )
+
+    async def kill(self, signal: int = 9) -> ProcessInfo:
+        """Send ``signal`` (a number, default SIGKILL) to the process and all it started.
+
+        With SIGKILL it returns once the whole tree is gone (state ``killed``).
+        Raises ``InvalidArgument`` for a number outside 1-64.
+        """
+        return await self._update(_core.kill_request(self._sid(), self.id, signal))
+
+    async def write_stdin(self, data: bytes | str) -> None:
+        """Write ``data`` (str is UTF-8 encoded) to the process's stdin.
+
+        Returns once it is in the pipe. Raises ``FailedPrecondition`` if stdin
+        was closed or the process ended.
+        """
+        await self._sandbox._client._send(_core.stdin_request(self._sid(), self.id, data))
+
+    async def close_stdin(self) -> None:
+        """Close the process's stdin: it reads EOF once it has consumed what was written."""
+        await self._sandbox._client._send(_core.close_stdin_request(self._sid(), self.id))
+
+    async def read_output(self, stream: str = "stdout", offset: int = 0) -> OutputChunk:
+        """The output of ``stream`` (``stdout``/``stderr``) from byte ``offset`` up to now.
+
+        ``chunk.dropped`` counts bytes after ``offset`` no longer retained (the
+        sandbox keeps the last ``max_output_bytes``); read on from
+        ``chunk.next_offset``; ``chunk.eof``: the stream is closed and all read.
+        """
+        request = _core.read_output_request(self._sid(), self.id, stream, offset)
+        return await self._sandbox._client._send(request)
+
+    async def follow_output(
+        self, stream: str = "stdout", offset: int = 0
+    ) -> AsyncIterator[OutputChunk]:
+        """Yield the output of ``stream`` from byte ``offset`` as the process writes it.
+
+        Ends once the process has ended and all its output was yielded. Each
+        chunk's ``dropped`` counts bytes lost before it to the retention bound.
+        There is no time limit: stop early with ``break`` (``contextlib.aclosing``
+        closes it at once); the process keeps running.
+        """
+        client = self._sandbox._client
+        request = _core.follow_output_request(self._sid(), self.id, stream, offset)
+        async with contextlib.aclosing(client._lines(request)) as lines:
+            async for line in lines:
+                yield _core.parse_chunk_line(line)
+
+    async def remove(self) -> None:
+        """Forget the ended process and its output.
+
+        Raises ``FailedPrecondition`` while it runs (:meth:`kill` or :meth:`wait` first).
+        """
+        await self._sandbox._client._send(_core.remove_process_request(self._sid(), self.id))
 
 
 class AsyncFiles:

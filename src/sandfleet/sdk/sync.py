@@ -18,20 +18,32 @@ import builtins
 import contextlib
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 
 from sandfleet.sdk import _core
-from sandfleet.sdk.client import AsyncClient, AsyncFiles, AsyncSandbox
-from sandfleet.wire.errors import FailedPrecondition, NotFound
-from sandfleet.wire.models import ExecResult, FileEntry, ImageManifest, NodeInfo, SandboxInfo
+from sandfleet.sdk.client import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox
+from sandfleet.wire.errors import FailedPrecondition, Internal, NotFound
+from sandfleet.wire.models import (
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    ImageManifest,
+    NodeInfo,
+    OutputChunk,
+    ProcessInfo,
+    SandboxInfo,
+)
 
-__all__ = ["Client", "Files", "Sandbox"]
+__all__ = ["Client", "Files", "OutputCallback", "Process", "Sandbox"]
 
 T = TypeVar("T")
+
+OutputCallback = Callable[[bytes], None]
+"""Receives output bytes as they arrive."""
 
 
 class Client:
@@ -69,10 +81,14 @@ class Client:
     def __repr__(self) -> str:
         return f"Client(url={self.url!r})"
 
-    def _send(self, request: _core.Request[T], content: Any = None) -> T:
+    def _timeout(self, request: _core.Request[Any]) -> Any:
         if self._closed:
             raise FailedPrecondition("this Client is closed; create a new one")
-        timeout: Any = httpx.USE_CLIENT_DEFAULT if request.timeout_s is None else request.timeout_s
+        timeout = self._settings.http_timeout(request.timeout_s)
+        return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+
+    def _send(self, request: _core.Request[T], content: Any = None) -> T:
+        timeout = self._timeout(request)
         with _core.translate_errors(self._settings, request):
             response = self._http.request(
                 request.method,
@@ -83,6 +99,27 @@ class Client:
                 timeout=timeout,
             )
         return _core.finish(request, response.status_code, response.content)
+
+    def _lines(self, request: _core.Request[Any]) -> Generator[bytes, None, None]:
+        """The NDJSON lines of a streamed answer; closing early closes the connection."""
+        timeout = self._timeout(request)
+        with (
+            _core.translate_errors(self._settings, request),
+            self._http.stream(
+                request.method,
+                request.path,
+                params=request.params,
+                content=request.body,
+                headers=request.headers,
+                timeout=timeout,
+            ) as response,
+        ):
+            if response.status_code >= 400:
+                _core.check_status(response.status_code, response.read())
+            lines = _core.Lines()
+            for chunk in response.iter_raw():
+                yield from lines.feed(chunk)
+            lines.end()
 
     def create(
         self,
@@ -133,6 +170,7 @@ class Client:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float = 60.0,
+        user: str | None = None,
         cpu: float = 1.0,
         memory_mb: int = 512,
         pids_limit: int = 256,
@@ -163,7 +201,7 @@ class Client:
             labels=labels,
             env=None,
         )
-        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s, user=user)
         sandbox = Sandbox(self, self._send(create))
         try:
             return sandbox._exec(body, timeout_s)
@@ -233,14 +271,102 @@ class Sandbox:
         cwd: str | None = None,
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
+        user: str | None = None,
+        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
-        return self._exec(body, timeout_s)
+        body = _core.exec_body(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            max_output_bytes=max_output_bytes,
+        )
+        if on_stdout is None and on_stderr is None:
+            return self._exec(body, timeout_s)
+        collected = _core.ExecCollector()
+        with contextlib.closing(self._exec_events(body, timeout_s)) as events:
+            for event in events:
+                callback = {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)
+                if callback is not None:
+                    callback(event.data)
+                collected.add(event)
+        return collected.result()
+
+    def exec_stream(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+        user: str | None = None,
+        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+    ) -> Iterator[ExecEvent]:
+        body = _core.exec_body(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            max_output_bytes=max_output_bytes,
+        )
+        with contextlib.closing(self._exec_events(body, timeout_s)) as events:
+            yield from events
 
     def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
         client = self._client
         return client._send(
             _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
+        )
+
+    def _exec_events(self, body: bytes, timeout_s: float) -> Generator[ExecEvent, None, None]:
+        client = self._client
+        request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
+        with contextlib.closing(client._lines(request)) as lines:
+            for line in lines:
+                event = _core.parse_exec_event(line)
+                yield event
+                if event.type == "result":
+                    return
+        raise Internal("the exec stream ended without a result event")
+
+    def spawn(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float | None = None,
+        user: str | None = None,
+        close_stdin: bool = False,
+        max_output_bytes: int = _core.SPAWN_MAX_OUTPUT_BYTES,
+    ) -> Process:
+        request = _core.spawn_request(
+            self._sandbox_id(),
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            user=user,
+            close_stdin=close_stdin,
+            max_output_bytes=max_output_bytes,
+        )
+        return Process(self, self._client._send(request))
+
+    def processes(self) -> builtins.list[ProcessInfo]:
+        return self._client._send(_core.processes_request(self._sandbox_id()))
+
+    def process(self, process_id: str) -> Process:
+        return Process(
+            self, self._client._send(_core.process_request(self._sandbox_id(), process_id))
         )
 
     def refresh(self) -> SandboxInfo:
@@ -264,6 +390,70 @@ class Sandbox:
         tb: TracebackType | None,
     ) -> None:
         self.destroy()
+
+
+class Process:
+    """A background process in a sandbox; made by :meth:`Sandbox.spawn` or :meth:`Sandbox.process`.
+
+    The process lives in the sandbox, not in this handle: dropping the handle
+    or closing the client leaves it running. Every method raises ``NotFound``
+    (the process was removed or the sandbox is gone), ``Unavailable`` and
+    ``DeadlineExceeded`` besides what it names.
+    """
+
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo) -> None:
+        self._sandbox = sandbox
+        self._info = info
+
+    @property
+    def id(self) -> str:
+        """The process's id in its sandbox (``p1``, ``p2``, ...)."""
+        return self._info.id
+
+    @property
+    def info(self) -> ProcessInfo:
+        """What the sandbox last said about the process (see :meth:`refresh`)."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"Process(id={self.id!r}, pid={self._info.pid}, state={self._info.state!r})"
+
+    def _sid(self) -> str:
+        return self._sandbox._sandbox_id()
+
+    def _update(self, request: _core.Request[ProcessInfo]) -> ProcessInfo:
+        self._info = self._sandbox._client._send(request)
+        return self._info
+
+    def refresh(self) -> ProcessInfo:
+        return self._update(_core.process_request(self._sid(), self.id))
+
+    def wait(self, timeout_s: float | None = None) -> ProcessInfo:
+        client = self._sandbox._client
+        return self._update(_core.wait_request(client._settings, self._sid(), self.id, timeout_s))
+
+    def kill(self, signal: int = 9) -> ProcessInfo:
+        return self._update(_core.kill_request(self._sid(), self.id, signal))
+
+    def write_stdin(self, data: bytes | str) -> None:
+        self._sandbox._client._send(_core.stdin_request(self._sid(), self.id, data))
+
+    def close_stdin(self) -> None:
+        self._sandbox._client._send(_core.close_stdin_request(self._sid(), self.id))
+
+    def read_output(self, stream: str = "stdout", offset: int = 0) -> OutputChunk:
+        request = _core.read_output_request(self._sid(), self.id, stream, offset)
+        return self._sandbox._client._send(request)
+
+    def follow_output(self, stream: str = "stdout", offset: int = 0) -> Iterator[OutputChunk]:
+        client = self._sandbox._client
+        request = _core.follow_output_request(self._sid(), self.id, stream, offset)
+        with contextlib.closing(client._lines(request)) as lines:
+            for line in lines:
+                yield _core.parse_chunk_line(line)
+
+    def remove(self) -> None:
+        self._sandbox._client._send(_core.remove_process_request(self._sid(), self.id))
 
 
 class Files:
@@ -333,3 +523,4 @@ def _copy_docs(sync_cls: type, async_cls: type) -> None:
 _copy_docs(Client, AsyncClient)
 _copy_docs(Sandbox, AsyncSandbox)
 _copy_docs(Files, AsyncFiles)
+_copy_docs(Process, AsyncProcess)

@@ -19,6 +19,9 @@ __all__ = [
     "KINDS",
     "B64Bytes",
     "CreateSandboxRequest",
+    "ErrorInfo",
+    "ExecEvent",
+    "ExecEventType",
     "ExecRequest",
     "ExecResult",
     "ExecStatus",
@@ -50,6 +53,7 @@ BUILT_KINDS: tuple[str, ...] = ("container",)
 
 ExecStatus = Literal["exited", "signaled", "timeout", "oom"]
 ProcessState = Literal["running", "exited", "signaled", "killed", "timeout"]
+ExecEventType = Literal["stdout", "stderr", "result", "error"]
 SandboxState = Literal["creating", "running", "destroying", "destroyed", "failed"]
 LayerKind = Literal["base", "toolkit", "workspace", "diff"]
 
@@ -263,6 +267,40 @@ class ExecResult(WireResponse):
     def stderr_text(self) -> str:
         """stderr decoded as UTF-8; undecodable bytes become U+FFFD, never an error."""
         return self.stderr.decode("utf-8", errors="replace")
+
+
+class ErrorInfo(WireResponse):
+    """The body of a wire error: ``code`` (e.g. ``NOT_FOUND``) and a message for humans."""
+
+    code: str
+    message: str
+
+
+class ExecEvent(WireResponse):
+    """One line of a streaming exec (``POST .../exec/stream``, ``application/x-ndjson``).
+
+    ``stdout``/``stderr``: ``data`` is output as the command produced it (the
+    concatenation of a stream's chunks is what a plain exec returns: the head
+    and tail under ``max_output_bytes``). ``result``: the last line; ``result``
+    is how the command ended, with *empty* ``stdout``/``stderr`` (the chunks
+    carried them). ``error``: the call failed after streaming began (the agent
+    died, the deadline passed); ``error`` has the code and message, and nothing
+    follows. Errors before the first line are ordinary HTTP errors.
+    """
+
+    type: ExecEventType
+    data: B64Bytes = b""
+    """Output bytes of a ``stdout``/``stderr`` event; empty otherwise."""
+    result: ExecResult | None = None
+    """How the command ended; only on the ``result`` event."""
+    error: ErrorInfo | None = None
+    """What went wrong; only on the ``error`` event."""
+
+    def to_line(self) -> bytes:
+        """This event as one NDJSON line (with its newline), carrying only its type's fields."""
+        if self.type in ("stdout", "stderr"):
+            return self.model_dump_json(include={"type", "data"}).encode() + b"\n"
+        return self.model_dump_json(include={"type", self.type}).encode() + b"\n"
 
 
 # --------------------------------------------------------------------------- files

@@ -4,11 +4,15 @@ Layout under ``state_dir``::
 
     runc/                      runc --root, ours alone
     layers/<name>/             read-only EROFS mounts, shared, refcounted
+    disk-templates/            formatted ext4 images, one per disk size (node-wide)
     sandboxes/<id>/            the OCI bundle
         config.json            written by :func:`bundle.oci_config`
         sandbox.json           what teardown and recover need (layer names)
-        upper/ work/           overlayfs writable layer, on local disk
+        disk.img               the writable layer's filesystem: ext4 of disk_mb MiB,
+                               sparse, on a loop device (see disk.py)
+        disk/                  its mount: upper/ and work/ of the overlay
         rootfs/                the overlay mount
+        ready                  written once create succeeded: recover adopts only these
         agent.sock             the agent's socket: bound here by the node, handed to
                                the box as fd 3; no path to it exists inside the box
         log                    runc's and the agent's stdout/stderr
@@ -19,6 +23,11 @@ its stdio to the container, so a pipe would never reach EOF. It is stopped by
 SIGKILL to its PID 1 (the kernel then kills the rest of its PID namespace)
 followed by ``runc delete --force``: ~10 ms instead of ~110 ms for runc's
 freeze-kill-thaw on a running container.
+
+The bundle directory is the record of a box: it is made before anything else
+and removed only once everything else is gone, so a create or destroy cut
+short (even by SIGKILL of the node agent) leaves a bundle that ``recover``
+finds and finishes destroying.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any
 from sandfleet.backends.base import BoxHandle, SandboxSpec
 from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
+from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages
 from sandfleet.backends.container.layers import LayerCache
 from sandfleet.backends.container.netns import ensure_loopback_up_async
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
@@ -48,6 +58,7 @@ from sandfleet.wire.errors import (
     Internal,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     SandfleetError,
 )
 
@@ -101,9 +112,15 @@ class ContainerBackend:
     docstring); ``agent_binary`` is the static in-sandbox agent, bind-mounted
     read-only into every box; ``runc`` is the runc executable.
     ``agent_timeout_s`` bounds the wait for the agent's first answer, seconds.
+    ``node_id``, when given, lets ``recover`` also remove cgroups of this
+    node's sandboxes (ids ``sb-<12 hex>-<node_id>``) that have no bundle.
+    ``min_free_mb``: creates are refused (``ResourceExhausted``) while the
+    filesystem of ``state_dir`` has less free space than this, MiB: writable
+    layers are sparse, so their limits may add up to more than the disk.
     Raises ``InvalidArgument`` when ``state_dir`` contains ``:`` or ``,``
-    (overlayfs option separators) and ``Internal`` when the agent binary is
-    missing or runc does not run.
+    (overlayfs option separators), ``Internal`` when the agent binary is
+    missing or runc does not run, and ``FailedPrecondition`` when the host
+    lacks what disk limits need (e2fsprogs, loop devices).
 
     Call from one event loop; ``create`` and ``destroy`` of different ids may
     run concurrently.
@@ -118,6 +135,8 @@ class ContainerBackend:
         runc: str = "runc",
         *,
         agent_timeout_s: float = 5.0,
+        node_id: str | None = None,
+        min_free_mb: int = 1024,
     ) -> None:
         self.state_dir = Path(os.path.abspath(state_dir))
         if any(c in str(self.state_dir) for c in ":,"):
@@ -127,6 +146,8 @@ class ContainerBackend:
             raise Internal(f"agent binary {agent_binary} does not exist")
         self.runc = shutil.which(runc) or runc
         self.agent_timeout_s = agent_timeout_s
+        self.node_id = node_id
+        self.min_free_mb = min_free_mb
         self.runc_root = self.state_dir / "runc"
         self.sandboxes_dir = self.state_dir / "sandboxes"
         for d in (self.runc_root, self.sandboxes_dir):
@@ -134,11 +155,14 @@ class ContainerBackend:
         os.chmod(self.runc_root, 0o700)
         self.layers = LayerCache(self.state_dir / "layers")
         self.layers.adopt()
+        self.disks = DiskImages(self.state_dir / "disk-templates")
         self.cgroups: CgroupLayout = detect_layout()
         self._boxes: dict[str, _Box] = {}
         self._busy: set[str] = set()  # ids with a create or destroy in flight
         self._memory_max_mb = _host_memory_mb()
         self._cpu_max = float((os.cpu_count() or 1) * CPU_OVERCOMMIT)
+        st = os.statvfs(self.state_dir)
+        self._disk_max_mb = st.f_blocks * st.f_frsize >> 20
         # runc applies RLIMIT_NOFILE after dropping CAP_SYS_RESOURCE, so it
         # cannot exceed our own hard limit.
         self._nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
@@ -176,6 +200,7 @@ class ContainerBackend:
             "memory_mb_max": self._memory_max_mb,
             "cpu_max": self._cpu_max,
             "pids_limit_range": [PIDS_MIN, PIDS_MAX],
+            "disk_mb_range": [DISK_MIN_MB, self._disk_max_mb],
         }
 
     def capabilities(self) -> dict[str, Any]:
@@ -207,6 +232,11 @@ class ContainerBackend:
             raise InvalidArgument(
                 f"pids_limit={spec.pids_limit} out of range: {PIDS_MIN}..{PIDS_MAX}"
             )
+        if spec.disk_mb is not None and not DISK_MIN_MB <= spec.disk_mb <= self._disk_max_mb:
+            raise InvalidArgument(
+                f"disk_mb={spec.disk_mb} out of range: {DISK_MIN_MB}..{self._disk_max_mb} MiB "
+                "on this node"
+            )
         for k, v in spec.env.items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise InvalidArgument(
@@ -219,8 +249,10 @@ class ContainerBackend:
 
         Raises ``InvalidArgument`` for a malformed id or limits outside the
         ranges in :meth:`capabilities` (memory_mb 16..host MiB, cpu
-        0.01..4x host cores, pids_limit 8..65536), ``AlreadyExists`` for an id
-        in use, ``NotFound`` for a missing layer file and ``Internal`` for
+        0.01..4x host cores, pids_limit 8..65536, disk_mb 4..size of the
+        state dir's filesystem; None: that size), ``AlreadyExists`` for an id
+        in use, ``ResourceExhausted`` when the node's disk has less than
+        ``min_free_mb`` free, ``NotFound`` for a missing layer file and ``Internal`` for
         anything else (bad layer image, runc error, agent not answering within
         ``agent_timeout_s``), with the tail of the box's log. On any failure
         everything done so far is undone first.
@@ -232,6 +264,11 @@ class ContainerBackend:
         if bundle.exists():
             raise AlreadyExists(
                 f"sandbox {spec.id} already exists on this node (leftover {bundle}; destroy it)"
+            )
+        st = os.statvfs(self.state_dir)
+        if st.f_bavail * st.f_frsize < self.min_free_mb << 20:
+            raise ResourceExhausted(
+                f"the node's disk has less than {self.min_free_mb} MiB free ({self.state_dir})"
             )
         self._busy.add(spec.id)
         box = _Box(id=spec.id, bundle=bundle)
@@ -259,15 +296,15 @@ class ContainerBackend:
     async def _start(self, spec: SandboxSpec, box: _Box) -> BoxHandle:
         bundle = box.bundle
         bundle.mkdir(mode=0o700)
-        for sub in ("upper", "work", "rootfs"):
-            (bundle / sub).mkdir()
+        (bundle / "rootfs").mkdir()
+        disk = self.disks.make(bundle, spec.disk_mb or self._disk_max_mb)
         lowers = []
         for layer in spec.layers:
             name, point = self.layers.acquire(layer)
             box.layers.append(name)
             lowers.append(str(point))
         (bundle / "sandbox.json").write_text(json.dumps({"id": spec.id, "layers": box.layers}))
-        self._mount_rootfs(bundle, list(reversed(lowers)))  # overlayfs wants top first
+        self._mount_rootfs(bundle, disk, list(reversed(lowers)))  # overlayfs wants top first
 
         cg_path = f"/sandfleet/{spec.id}"
         config = oci_config(
@@ -303,13 +340,14 @@ class ContainerBackend:
             pid=box.pid,
             extra={"bundle": str(bundle), "cgroup": cg_path, "workdir": spec.workdir},
         )
+        (bundle / "ready").touch()
         self._boxes[spec.id] = box
         return box.handle
 
-    def _mount_rootfs(self, bundle: Path, lowers_top_first: list[str]) -> None:
+    def _mount_rootfs(self, bundle: Path, disk: Path, lowers_top_first: list[str]) -> None:
         opts = (
             f"lowerdir={':'.join(lowers_top_first)},"
-            f"upperdir={bundle / 'upper'},workdir={bundle / 'work'}"
+            f"upperdir={disk / 'upper'},workdir={disk / 'work'}"
         )
         if self._overlay_volatile:
             # volatile: no syncfs on unmount; the upper layer dies with the box.
@@ -427,7 +465,8 @@ class ContainerBackend:
                     os.waitid(os.P_PIDFD, box.pidfd, os.WEXITED | os.WNOHANG)
             os.close(box.pidfd)
             box.pidfd = None
-        if (self.runc_root / box.id).exists():
+        runc_state = self.runc_root / box.id
+        if runc_state.exists():
             rc, out = await self._runc("delete", "--force", box.id)
             if rc != 0 and "does not exist" not in out:
                 problems.append(f"runc delete: {out.strip()}")
@@ -435,6 +474,10 @@ class ContainerBackend:
         if any(d.exists() for d in left):
             stuck = await asyncio.to_thread(remove_cgroups, left)
             problems += [f"cgroup {d} busy" for d in stuck]
+        if runc_state.exists() and not problems:
+            # runc killed before it wrote state.json: `runc delete` does not know it.
+            await asyncio.to_thread(shutil.rmtree, runc_state, True)
+        # deepest first: the overlay (rootfs/) before the disk holding its upper layer
         for point in mounts_under(box.bundle):
             try:
                 umount(point)
@@ -445,18 +488,20 @@ class ContainerBackend:
         box.layers = []
         if mounts_under(box.bundle):
             problems.append(f"mounts remain under {box.bundle}")
-        elif box.bundle.exists():
+        if box.bundle.exists() and not problems:
+            # Last: the bundle is the record that lets destroy/recover finish the job.
             await asyncio.to_thread(shutil.rmtree, box.bundle, True)
             if box.bundle.exists():
                 problems.append(f"could not remove {box.bundle}")
         if problems:
             raise Internal(f"destroying sandbox {box.id} left: " + "; ".join(problems))
 
-    async def _runc(self, *args: str) -> tuple[int, str]:
+    async def _runc(self, *args: str, stderr: bool = True) -> tuple[int, str]:
+        """Run ``runc --root <ours> *args``; returns its status and stdout (+ stderr)."""
         proc = await asyncio.create_subprocess_exec(
             self.runc, "--root", str(self.runc_root), *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT if stderr else asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode("utf-8", errors="replace")
@@ -482,27 +527,40 @@ class ContainerBackend:
     # ------------------------------------------------------------------ restart
 
     async def recover(self) -> list[BoxHandle]:
-        """Adopt boxes that survived a restart of the node agent.
+        """Adopt boxes that survived a restart of the node agent; destroy the rest.
 
-        Running or paused containers in our runc root with a bundle are
-        adopted; stopped, broken or half-created ones are destroyed. Layer mounts are re-adopted
-        and refcounted from the adopted boxes. Returns the adopted handles.
+        Adopted: running or paused containers in our runc root whose create
+        finished (bundle with its ``ready`` mark). Everything else a previous
+        instance left is removed, also when it was killed in the middle of a
+        create or destroy: runc commands still running on our runc root are
+        killed first (a ``runc run`` outliving its node agent would otherwise
+        start a box after the sweep), then every bundle that is not adopted is
+        destroyed (runc container in any state, cgroups, overlay and disk
+        mounts, loop devices, state), and with ``node_id`` set, cgroups of this
+        node's sandboxes that have no bundle. Layer mounts are re-adopted and
+        refcounted from the adopted boxes. Returns the adopted handles.
         """
         self.layers.adopt()
-        rc, out = await self._runc("list", "--format", "json")
+        for tmp in self.disks.root.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        await self._kill_stray_runc()
+        # stdout alone: runc warns on stderr about state dirs without state.json
+        rc, out = await self._runc("list", "--format", "json", stderr=False)
         states = (json.loads(out or "null") or []) if rc == 0 else []
-        seen: set[str] = set()
         handles: list[BoxHandle] = []
         for st in states:
             sid = str(st.get("id", ""))
-            seen.add(sid)
             if not _ID_RE.match(sid) or sid in self._boxes or sid in self._busy:
                 continue
             bundle = self.sandboxes_dir / sid
             pid = int(st.get("pid") or 0)
             pidfd = None
-            # paused (frozen) boxes are alive too; only stopped/broken ones go.
-            if st.get("status") in ("running", "paused") and pid > 0 and bundle.is_dir():
+            # paused (frozen) boxes are alive too; created/stopped ones go.
+            if (
+                st.get("status") in ("running", "paused")
+                and pid > 0
+                and (bundle / "ready").is_file()
+            ):
                 with contextlib.suppress(OSError, Internal):
                     pidfd = _open_pidfd(pid, f"/sandfleet/{sid}")
             if pidfd is None:
@@ -520,11 +578,50 @@ class ContainerBackend:
             )
             self._boxes[sid] = box
             handles.append(box.handle)
-        for bundle in self.sandboxes_dir.iterdir():
-            name = bundle.name
-            if name not in seen and name not in self._busy and _ID_RE.match(name):
+        # Bundles runc does not list (killed before or during `runc run`), and
+        # runc state without a bundle (killed during a destroy, after the rmtree).
+        names = {p.name for p in self.sandboxes_dir.iterdir()}
+        names |= {p.name for p in self.runc_root.iterdir() if p.is_dir()}
+        for name in sorted(names):
+            if name not in self._boxes and name not in self._busy and _ID_RE.match(name):
                 await self.destroy(name)
+        if self.node_id:
+            await self._sweep_cgroups()
         return handles
+
+    async def _kill_stray_runc(self) -> None:
+        """SIGKILL runc commands on our runc root left by a previous instance; wait for them."""
+        needle = f"\0--root\0{self.runc_root}\0".encode()
+        pidfds = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in b"\0" + cmdline and os.path.basename(cmdline.split(b"\0")[0]) == b"runc":
+                with contextlib.suppress(OSError):
+                    fd = os.pidfd_open(int(entry.name))
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    pidfds.append(fd)
+        for fd in pidfds:
+            await _wait_fd(fd, 2.0)
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            os.close(fd)
+
+    async def _sweep_cgroups(self) -> None:
+        assert self.node_id is not None
+        mine = re.compile(rf"^sb-[0-9a-f]{{12}}-{re.escape(self.node_id)}$")
+        names: set[str] = set()
+        for parent in self.cgroups.dirs("/sandfleet"):
+            with contextlib.suppress(OSError):
+                names |= {p.name for p in parent.iterdir() if p.is_dir() and mine.match(p.name)}
+        for name in sorted(names):
+            if name in self._boxes or name in self._busy or (self.sandboxes_dir / name).exists():
+                continue
+            await asyncio.to_thread(remove_cgroups, self.cgroups.dirs(f"/sandfleet/{name}"))
 
     async def close(self) -> None:
         """Unmount layers no box uses; running boxes are left alone (see ``recover``)."""

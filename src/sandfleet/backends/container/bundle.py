@@ -3,7 +3,8 @@
 Written by code rather than by patching ``runc spec`` output: what a sandbox
 may see and do is then in one reviewable place. The defaults mirror runc's
 own ``runc spec`` (capabilities, masked and read-only paths, /dev mounts),
-minus the terminal and plus our limits, seccomp filter and the agent.
+minus the terminal and plus our limits, seccomp filter and the agent (which also
+holds CAP_SETUID and CAP_SETGID, see :data:`AGENT_CAPS`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from sandfleet.backends.container.seccomp import seccomp_profile
 
 __all__ = [
+    "AGENT_CAPS",
     "AGENT_LISTEN_FD",
     "AGENT_PATH",
     "CPU_PERIOD_US",
@@ -30,7 +32,12 @@ CPU_PERIOD_US = 100_000
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # runc's default set: enough to send signals and bind low ports, nothing else.
+# Commands run with exactly this set.
 DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+# The container's process (the agent) also holds what it needs to run a
+# command as another user; it drops both from every command it starts
+# (effective, permitted, inheritable; no_new_privs keeps them from coming back).
+AGENT_CAPS = [*DEFAULT_CAPS, "CAP_SETGID", "CAP_SETUID"]
 
 # As in `runc spec` (1.1): hidden behind /dev/null (files) or an empty
 # read-only tmpfs (directories) ...
@@ -79,7 +86,7 @@ def oci_config(
     mem_bytes = memory_mb * 1024 * 1024
     environ = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm"}
     environ.update(env)
-    caps = list(DEFAULT_CAPS)
+    caps = list(AGENT_CAPS)
     return {
         "ociVersion": "1.0.2",
         "process": {
