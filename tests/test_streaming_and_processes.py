@@ -186,8 +186,20 @@ def test_closing_a_stream_kills_the_command(deployment: LocalDeployment) -> None
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+                # cancelled before the first byte: the answer has not even begun
+                async def silent() -> None:
+                    async for _ in asb.exec_stream("sleep 105"):
+                        pass
+
+                task = asyncio.ensure_future(silent())
+                await asyncio.sleep(0.5)
+                assert _sleepers(sb, "105")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
         asyncio.run(main())
-        assert _eventually(lambda: not _sleepers(sb, "10[34]")), _sleepers(sb, "10[34]")
+        assert _eventually(lambda: not _sleepers(sb, "10[345]")), _sleepers(sb, "10[345]")
 
 
 # --------------------------------------------------------------------------- processes

@@ -455,10 +455,11 @@ class ContainerBackend:
 
     async def _teardown(self, box: _Box) -> None:
         problems: list[str] = []
+        init_dead = False
         if box.pidfd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(box.pidfd, signal.SIGKILL)
-            if await _wait_fd(box.pidfd, 1.0):
+            if init_dead := await _wait_fd(box.pidfd, 1.0):
                 # Reap it if it is our child (the node agent may be a child
                 # subreaper); otherwise its parent, usually PID 1, does.
                 with contextlib.suppress(ChildProcessError, OSError):
@@ -466,16 +467,18 @@ class ContainerBackend:
             os.close(box.pidfd)
             box.pidfd = None
         runc_state = self.runc_root / box.id
-        if runc_state.exists():
+        if runc_state.exists() and not init_dead:
             rc, out = await self._runc("delete", "--force", box.id)
             if rc != 0 and "does not exist" not in out:
                 problems.append(f"runc delete: {out.strip()}")
+        # With its init gone, the kernel has killed the whole PID namespace, and all
+        # `runc delete` would do is remove cgroups and its state dir: done below,
+        # without starting a Go process per destroy (~1/3 of runc's CPU per sandbox).
         left = self.cgroups.dirs(f"/sandfleet/{box.id}")
         if any(d.exists() for d in left):
             stuck = await asyncio.to_thread(remove_cgroups, left)
             problems += [f"cgroup {d} busy" for d in stuck]
         if runc_state.exists() and not problems:
-            # runc killed before it wrote state.json: `runc delete` does not know it.
             await asyncio.to_thread(shutil.rmtree, runc_state, True)
         # deepest first: the overlay (rootfs/) before the disk holding its upper layer
         for point in mounts_under(box.bundle):
