@@ -33,7 +33,16 @@ from sandfleet.sdk._core import EXEC_MARGIN_S, Settings
 from sandfleet.sdk.client import AsyncFiles
 from sandfleet.sdk.sync import Files
 from sandfleet.wire import errors as E
-from sandfleet.wire.models import BUILT_KINDS, KINDS, SandboxInfo
+from sandfleet.wire.models import (
+    BUILT_KINDS,
+    KINDS,
+    ErrorInfo,
+    ExecEvent,
+    ExecResult,
+    OutputChunk,
+    ProcessInfo,
+    SandboxInfo,
+)
 
 T = TypeVar("T")
 ALL_ERRORS: list[type[E.SandfleetError]] = [
@@ -160,6 +169,45 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
             }
         )
 
+    async def exec_stream(request: Request) -> Response:
+        found = lookup(request)
+        if isinstance(found, Response):
+            return found
+        cmd = (await request.json())["cmd"]
+        lines = [
+            ExecEvent(type="stdout", data=b"\xe2\0").to_line(),
+            ExecEvent(type="stderr", data=b"e").to_line(),
+            ExecEvent(type="stdout", data=b"\n" * 70_000).to_line(),
+        ]
+        if cmd == "fail-mid":
+            error = ErrorInfo(code="UNAVAILABLE", message="the node died")
+            lines.append(ExecEvent(type="error", error=error).to_line())
+        elif cmd == "truncated":
+            lines.append(b'{"type":"stdout","da')
+        elif cmd != "no-result":
+            result = ExecResult(status="exited", exit_code=3)
+            lines.append(ExecEvent(type="result", result=result).to_line())
+
+        async def gen() -> AsyncIterator[bytes]:
+            for line in lines:  # split anywhere: the client reassembles lines
+                for i in range(0, len(line), 7000):
+                    yield line[i : i + 7000]
+
+        return StreamingResponse(gen(), media_type="application/x-ndjson")
+
+    async def process(request: Request) -> Response:
+        info = ProcessInfo(
+            id=request.path_params["pid"], pid=7, command="x", state="running", started_at=1.0
+        )
+        return JSONResponse(info.model_dump(mode="json"))
+
+    async def follow(request: Request) -> Response:
+        assert request.query_params["follow"] == "true"
+        chunk = OutputChunk(data=b"\xe2", offset=5, next_offset=6)
+        lines = [chunk.model_dump_json().encode() + b"\n"]
+        lines.append(json.dumps(E.Unavailable("the agent died").to_wire()).encode() + b"\n")
+        return StreamingResponse(iter(lines), media_type="application/x-ndjson")
+
     async def content(request: Request) -> Response:
         found = lookup(request)
         if isinstance(found, Response):
@@ -238,6 +286,9 @@ def make_app(state: State) -> Callable[..., Awaitable[None]]:
             Route("/v1/sandboxes", sandboxes, methods=["GET", "POST"]),
             Route("/v1/sandboxes/{sid}", sandbox, methods=["GET", "DELETE"]),
             Route("/v1/sandboxes/{sid}/exec", exec_, methods=["POST"]),
+            Route("/v1/sandboxes/{sid}/exec/stream", exec_stream, methods=["POST"]),
+            Route("/v1/sandboxes/{sid}/processes/{pid}", process),
+            Route("/v1/sandboxes/{sid}/processes/{pid}/output", follow),
             Route("/v1/sandboxes/{sid}/files/content", content, methods=["GET", "PUT"]),
             Route("/v1/sandboxes/{sid}/files/{op}", files_op, methods=["GET", "POST"]),
             Route("/v1/sandboxes/{sid}/files", files_op, methods=["DELETE"]),
@@ -610,6 +661,59 @@ def test_upload_and_download_stream(server: Server, flavor: str, tmp_path: Path)
             await aw(gone.files.upload(src, "/big.bin"))
         with pytest.raises(FileNotFoundError):
             await aw(sb.files.upload(tmp_path / "absent", "/x"))
+        await aw(client.close())
+
+    scenario(run)
+
+
+async def _collect(items: Any, into: list[Any]) -> None:
+    """Append what a sync or an async iterator yields to ``into``."""
+    if hasattr(items, "__aiter__"):
+        async for item in items:
+            into.append(item)
+    else:
+        into.extend(items)
+
+
+def test_streams_rebuild_results_and_raise_errors(server: Server, flavor: str) -> None:
+    async def run() -> None:
+        client = make_client(flavor, server.url)
+        sb = await aw(client.create(image="img"))
+        out: list[bytes] = []
+        r = await aw(sb.exec("ok", on_stdout=out.append))
+        assert (r.exit_code, r.stdout, r.stderr) == (3, b"\xe2\0" + b"\n" * 70_000, b"e")
+        assert b"".join(out) == r.stdout
+        events: list[ExecEvent] = []
+        await _collect(sb.exec_stream("ok"), events)
+        assert [e.type for e in events] == ["stdout", "stderr", "stdout", "result"]
+        assert events[-1].result is not None and events[-1].result.stdout == b""
+        for cmd, error in (
+            ("fail-mid", E.Unavailable),
+            ("truncated", E.Unavailable),
+            ("no-result", E.Internal),
+        ):
+            events = []
+            with pytest.raises(error):
+                await _collect(sb.exec_stream(cmd), events)
+            assert events[0].data == b"\xe2\0", cmd  # what came before the failure
+            with pytest.raises(error):
+                await aw(sb.exec(cmd, on_stderr=out.append))
+        ghost = await aw(client.get("sb-1"))
+        for sid, error in (("sb-404", E.NotFound), ("err-PERMISSION_DENIED", E.PermissionDenied)):
+            ghost._info = ghost._info.model_copy(update={"id": sid})
+            with pytest.raises(error):
+                await _collect(ghost.exec_stream("ok"), [])
+
+        proc = await aw(sb.process("p7"))
+        assert (proc.id, proc.info.pid) == ("p7", 7)
+        chunks: list[OutputChunk] = []
+        with pytest.raises(E.Unavailable, match="agent died"):
+            await _collect(proc.follow_output(offset=5), chunks)
+        assert [c.data for c in chunks] == [b"\xe2"]
+        with pytest.raises(E.InvalidArgument):
+            await _collect(proc.follow_output("stdlog"), [])
+        with pytest.raises(E.InvalidArgument):
+            await aw(proc.kill(0))
         await aw(client.close())
 
     scenario(run)

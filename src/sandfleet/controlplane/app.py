@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -43,8 +42,6 @@ from sandfleet.wire.models import (
 from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
 
 __all__ = ["create_app"]
-
-log = logging.getLogger("sandfleet.controlplane")
 
 NDJSON = "application/x-ndjson"
 #: Read timeout of calls that may rightly stay silent for as long as they like

@@ -435,12 +435,15 @@ class AsyncSandbox:
         client = self._client
         request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
         async with contextlib.aclosing(client._lines(request)) as lines:
+            ended = False
             async for line in lines:
+                if ended:
+                    raise Internal("the exec stream went on after its result event")
                 event = _core.parse_exec_event(line)
+                ended = event.type == "result"
                 yield event
-                if event.type == "result":
-                    return
-        raise Internal("the exec stream ended without a result event")
+            if not ended:  # read to the end, so the connection is reused
+                raise Internal("the exec stream ended without a result event")
 
     # ----------------------------------------------------------------- processes
 

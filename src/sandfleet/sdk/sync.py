@@ -329,12 +329,15 @@ class Sandbox:
         client = self._client
         request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
         with contextlib.closing(client._lines(request)) as lines:
+            ended = False
             for line in lines:
+                if ended:
+                    raise Internal("the exec stream went on after its result event")
                 event = _core.parse_exec_event(line)
+                ended = event.type == "result"
                 yield event
-                if event.type == "result":
-                    return
-        raise Internal("the exec stream ended without a result event")
+            if not ended:  # read to the end, so the connection is reused
+                raise Internal("the exec stream ended without a result event")
 
     def spawn(
         self,
