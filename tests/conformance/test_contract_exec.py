@@ -148,6 +148,24 @@ def test_stdin_is_empty_unless_given(
     assert time.monotonic() - t0 < 2
 
 
+@pytest.mark.parametrize("cmd", [["true"], ["head", "-c", "1"], "exit 0"], ids=repr)
+def test_stdin_nobody_reads_does_not_block(sandbox: Sandbox, cmd: str | list[str]) -> None:
+    """K2: 10 MiB of stdin given to a command that does not read it all: the call ends at once."""
+    t0 = time.monotonic()
+    r = sandbox.exec(cmd, stdin=b"x" * (10 << 20), timeout_s=20)
+    assert r.ok and r.stdout in (b"", b"x")
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf")], ids=repr)
+def test_an_impossible_timeout_is_refused(sandbox: Sandbox, timeout_s: float) -> None:
+    """K2: a timeout that cannot bound the command is InvalidArgument, before anything runs."""
+    with pytest.raises(errors.InvalidArgument, match="timeout_s"):
+        sandbox.exec("touch /tmp/ran", timeout_s=timeout_s)
+    with pytest.raises(errors.NotFound):
+        sandbox.files.stat("/tmp/ran")
+
+
 def test_a_hung_command_does_not_block_other_callers(fleet: Fleet, sandbox: Sandbox) -> None:
     """K2: while `sleep infinity` hangs, a second client reads, runs, lists and checks health."""
     sandbox.files.write("/tmp/note", b"note")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,23 @@ def test_a_new_file_in_proc_is_refused(sandbox: Sandbox) -> None:
         sandbox.files.write("/proc/sf-x", b"1")
     with pytest.raises(errors.NotFound):
         sandbox.files.stat("/proc/sf-x")
+
+
+def test_special_files_do_not_hang_the_file_api(sandbox: Sandbox) -> None:
+    """K7/K2: reading a FIFO or a device is refused at once, never blocks waiting for a writer."""
+    assert sandbox.exec("mkfifo /tmp/fifo").ok
+    for path in ("/tmp/fifo", "/dev/zero", "/dev/urandom"):
+        t0 = time.monotonic()
+        with pytest.raises(errors.InvalidArgument):
+            sandbox.files.read(path)
+        assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o600, 0o644, 0o4755], ids=oct)
+def test_write_sets_the_mode(sandbox: Sandbox, mode: int) -> None:
+    """K7: files.write gives the file exactly the mode asked for; 0755 makes it runnable."""
+    sandbox.files.write("/tmp/script", b"#!/bin/sh\necho ran\n", mode=mode)
+    assert sandbox.files.stat("/tmp/script").mode & 0o7777 == mode
+    assert sandbox.exec(["stat", "-c", "%a", "/tmp/script"]).stdout == f"{mode:o}\n".encode()
+    r = sandbox.exec(["/tmp/script"])
+    assert r.exit_code == (0 if mode & 0o100 else 126)

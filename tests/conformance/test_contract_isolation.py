@@ -214,3 +214,15 @@ def test_privileged_operations_are_refused(
         if unchanged is not None:
             assert after == unchanged
     assert Path("/etc/hostname").read_text().strip() != "sf-evil"
+
+
+def test_no_descriptor_or_secret_of_the_node_reaches_a_command(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    """K10: a command has only fds 0-2 (no agent socket) and no node token in sight."""
+    fds = sandbox.exec("sleep 2 & ls /proc/$!/fd").stdout.split()
+    assert fds == [b"0", b"1", b"2"], fds
+    token = (fleet.deployment.state_dir / "node-token").read_bytes().strip()
+    assert len(token) >= 16
+    seen = sandbox.exec("env; cat /proc/1/environ /proc/1/cmdline; ls -laR /.sandfleet /tmp")
+    assert seen.ok and token not in seen.stdout
