@@ -130,9 +130,13 @@ def test_isolation_inside_the_container(deployment: LocalDeployment) -> None:
     ):
         links = a.exec("cat /proc/net/dev").stdout_text
         assert "lo:" in links and "eth" not in links
-        assert (
-            a.exec(f"wget -q -T 2 -O - http://127.0.0.1:{deployment.port}/healthz").exit_code != 0
-        )
+        # The control plane answers from the host; from inside, its port is not there.
+        assert httpx.get(f"http://127.0.0.1:{deployment.port}/healthz").status_code == 200
+        probe = a.exec(f"nc -w 2 127.0.0.1 {deployment.port} </dev/null")
+        assert (probe.status, probe.exit_code) == ("exited", 1), probe
+        # ...while the same probe reaches a port that is open inside the sandbox.
+        ok = a.exec("nc -l -p 9999 </dev/null & sleep 0.2; echo hi | nc -w 2 127.0.0.1 9999")
+        assert ok.exit_code == 0, ok
         assert a.exec(["cat", "/proc/kcore"]).exit_code != 0
         a.exec("rm /bin/sh; echo gone > /bin/sh")
         assert b.exec(["/bin/sh", "-c", "echo still here"]).stdout == b"still here\n"

@@ -36,6 +36,9 @@
 #include <time.h>
 #include <unistd.h>
 
+/* A uid no image uses: see main(). */
+#define GUARD_UID 2147483646
+
 #define VERSION "0.1.0"
 #define MAX_FRAME (4u << 20)  /* argv + env of one exec fit; ARG_MAX is 2 MiB */
 #define CHUNK (256u << 10)    /* file data frames */
@@ -668,8 +671,8 @@ static int parse_cmd(int c, const uint8_t *req, uint32_t n, struct cmd *cm, cons
 	return 0;
 }
 
-/* The agent holds CAP_SETUID/CAP_SETGID only to switch users; commands must run
- * with the container's base set. Dropping needs no capability, and with
+/* The agent holds CAP_SETUID/CAP_SETGID only to switch users and CAP_KILL to
+ * stop any command; commands run without them. Dropping needs no capability, and with
  * no_new_privs execve cannot regain what is not in the permitted set. */
 static void drop_id_caps(void)
 {
@@ -684,7 +687,9 @@ static void drop_id_caps(void)
 	 * whole bounding set. */
 	prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
 	if (syscall(SYS_capget, &hdr, data) < 0) return;
-	uint32_t mask = ~((1u << 6) | (1u << 7)); /* CAP_SETGID, CAP_SETUID */
+	/* CAP_KILL too: with it a root command could signal the agent's processes
+	 * despite their guard uid. Root commands still signal their own kind. */
+	uint32_t mask = ~((1u << 5) | (1u << 6) | (1u << 7)); /* CAP_KILL, CAP_SETGID, CAP_SETUID */
 	data[0].effective &= mask;
 	data[0].permitted &= mask;
 	data[0].inheritable &= mask;
@@ -703,12 +708,17 @@ static void run_child(struct cmd *cm, int in, int out, int err, int errfd)
 	sigprocmask(SIG_SETMASK, &none, NULL);
 	const struct cred *cr = &cm->cred;
 	/* same ids as ours: nothing to switch, so no capability is needed */
-	if (cr->set && (cr->uid != geteuid() || cr->gid != getegid())) {
-		if (setgroups(cr->ngroups, cr->groups) < 0 || setgid(cr->gid) < 0 || setuid(cr->uid) < 0) {
-			int e = errno;
-			if (write(errfd, &e, sizeof e) < 0) _exit(126);
-			_exit(126);
-		}
+	uid_t ruid, euid, suid;
+	getresuid(&ruid, &euid, &suid);
+	int bad = 0;
+	if (cr->set && (cr->uid != euid || cr->gid != getegid()))
+		bad = setgroups(cr->ngroups, cr->groups) < 0 || setgid(cr->gid) < 0 || setuid(cr->uid) < 0;
+	else if (ruid != euid || suid != euid)
+		bad = setresuid(euid, euid, euid) < 0; /* shed the agent's guard uid (see main) */
+	if (bad) {
+		int e = errno;
+		if (write(errfd, &e, sizeof e) < 0) _exit(126);
+		_exit(126);
 	}
 	drop_id_caps();
 	environ = cm->env; /* execvp searches the command's own PATH */
@@ -965,7 +975,17 @@ static void op_write(int c, const char *path, mode_t mode)
 	else if (snprintf(tmp_path, sizeof tmp_path, "%.*s.sandfleet-%d.tmp", (int)(b - path), path,
 			  (int)getpid()) >= (int)sizeof tmp_path) e = ENAMETOOLONG;
 	int fd = e ? -1 : open(tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-	if (!e && fd < 0) e = errno;
+	if (!e && fd < 0) {
+		e = errno;
+		/* The file exists but no file can be made beside it (procfs, sysfs, a
+		 * read-only mount): say so, not "no such file". */
+		if (lstat(path, &st) == 0) {
+			send_err(c, e == ENOENT ? EACCES : e,
+				 "write '%s': an atomic write needs a temporary file in its directory,"
+				 " which refuses one (%s)", path, strerror(e));
+			return;
+		}
+	}
 	if (e) {
 		send_err(c, e, "write '%s': %s", path, e == EISDIR ? "is a directory" : strerror(e));
 		return;
@@ -2083,6 +2103,12 @@ int main(int argc, char **argv)
 	}
 	main_pid = getpid();
 	if (main_pid != 1) prctl(PR_SET_CHILD_SUBREAPER, 1);
+	/* The processes serving calls (handlers, supervisors) keep a real and saved
+	 * uid that no command has, and commands lose CAP_KILL: then no command, not
+	 * even root's `kill -9 -1`, can signal or ptrace them and lose or forge a
+	 * call's result. The effective uid stays 0 for file operations. */
+	if (geteuid() == 0 && setresuid(GUARD_UID, 0, GUARD_UID) < 0)
+		fprintf(stderr, "sandfleet-agent: guard uid: %s\n", strerror(errno));
 	/* PID 1 of a sandbox: /run/sandfleet, or /tmp if the rootfs is read-only there.
 	 * An ordinary process (tests, several agents on one host): a directory of its own. */
 	char own[64];

@@ -191,8 +191,12 @@ class AgentClient:
         req: ExecRequest,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        keep_output: bool = True,
     ) -> ExecResult:
         """Run ``req`` and return how it ended.
+
+        With ``keep_output=False`` the result carries no stdout/stderr: a caller
+        streaming through the callbacks need not hold the whole output too.
 
         ``status`` is ``exited``, ``signaled`` or ``timeout`` (never ``oom``: the
         node decides that from cgroup counters). Output chunks go to the
@@ -217,7 +221,8 @@ class AgentClient:
                     while True:
                         ftype, payload = await conn.recv()
                         if ftype in (p.STDOUT, p.STDERR):
-                            (out if ftype == p.STDOUT else err).extend(payload)
+                            if keep_output:
+                                (out if ftype == p.STDOUT else err).extend(payload)
                             cb = on_stdout if ftype == p.STDOUT else on_stderr
                             if cb is not None and inspect.isawaitable(res := cb(payload)):
                                 await res

@@ -10,7 +10,6 @@ those, or a mount, holds it).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -35,19 +34,25 @@ def _cgroup_dirs() -> list[Path]:
     return found
 
 
-def _box_pids(state_dir: Path) -> list[int]:
-    """Processes whose root directory is a sandbox rootfs under ``state_dir``."""
-    base = str(state_dir.resolve()) + "/"
+def _box_pids(node_ids: list[str]) -> list[int]:
+    """Processes in the cgroup of a sandbox of one of ``node_ids``.
+
+    (A box's ``/proc/<pid>/root`` reads as ``/`` from the host after pivot_root,
+    so the cgroup is what ties a process to its sandbox.)
+    """
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            root = os.readlink(entry / "root")
+            groups = (entry / "cgroup").read_text()
         except OSError:
             continue
-        if root.startswith(base):
-            pids.append(int(entry.name))
+        for line in groups.splitlines():
+            path = line.rpartition(":")[2]
+            if f"/{CGROUP_PARENT}/sb-" in path and any(path.endswith(f"-{n}") for n in node_ids):
+                pids.append(int(entry.name))
+                break
     return pids
 
 
@@ -91,5 +96,5 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
 
     found += [f"loop device {dev}" for dev in loop_devices_under(state_dir) if mine(str(dev))]
     if only is None:
-        found += [f"process {pid} inside a sandbox rootfs" for pid in _box_pids(state_dir)]
+        found += [f"process {pid} in a sandbox's cgroup" for pid in _box_pids(node_ids)]
     return found

@@ -202,7 +202,15 @@ class NodeService:
     # ------------------------------------------------------------------ inside the box
 
     def _command(self, box: _Box, req: ExecRequest | SpawnRequest) -> dict[str, object]:
-        """The env merge (image, sandbox, request: last wins) and default cwd of every command."""
+        """The env merge (image, sandbox, request: last wins) and default cwd of every command.
+
+        Raises InvalidArgument for a relative or empty cwd (never a silent fallback).
+        """
+        if req.cwd is not None and not req.cwd.startswith("/"):
+            raise InvalidArgument(
+                f"cwd {req.cwd!r} is not an absolute path: give one starting with '/', or"
+                " leave it unset for the image's workdir"
+            )
         return {
             "env": {**box.config.env, **box.request.env, **req.env},
             "cwd": req.cwd or box.config.workdir,
@@ -214,22 +222,33 @@ class NodeService:
         req: ExecRequest,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        keep_output: bool = True,
     ) -> ExecResult:
-        """Run a command; status ``oom`` when the box's OOM counter rose and it was SIGKILLed.
+        """Run a command.
 
-        Output chunks go to ``on_stdout``/``on_stderr`` (plain or async) as they arrive.
+        Its status becomes ``oom`` when the sandbox's OOM killer killed a process
+        while it ran and the command failed (killed, or a non-zero exit: a shell
+        reports its OOM-killed child as 137). With several commands running in one
+        sandbox at once, an OOM caused by another may be attributed to a failing one.
+
+        Output chunks go to ``on_stdout``/``on_stderr`` (plain or async) as they arrive;
+        with ``keep_output=False`` the result's stdout/stderr stay empty.
         """
         box = self._box(sandbox_id)
         backend = self.backends[box.request.kind]
         req = req.model_copy(update=self._command(box, req))
         ooms_before = backend.oom_kills(sandbox_id)
-        result = await box.agent.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
-        if (
-            result.status == "signaled"
-            and result.signal == signal.SIGKILL
-            and backend.oom_kills(sandbox_id) > ooms_before
-        ):
-            result = result.model_copy(update={"status": "oom"})
+        result = await box.agent.exec(
+            req, on_stdout=on_stdout, on_stderr=on_stderr, keep_output=keep_output
+        )
+        failed = result.status == "signaled" or (
+            result.status == "exited" and result.exit_code != 0
+        )
+        if failed and backend.oom_kills(sandbox_id) > ooms_before:
+            # Like a timeout, never an exit code that could pass for a real one.
+            result = result.model_copy(
+                update={"status": "oom", "exit_code": None, "signal": int(signal.SIGKILL)}
+            )
         return result
 
     @contextlib.asynccontextmanager
@@ -256,7 +275,9 @@ class NodeService:
 
         async def run() -> None:
             try:
-                result = await self.exec(sandbox_id, req, on_stdout=out, on_stderr=err)
+                result = await self.exec(
+                    sandbox_id, req, on_stdout=out, on_stderr=err, keep_output=False
+                )
             except SandfleetError as exc:
                 await queue.put(exc)
             except Exception as exc:  # becomes an error event, logged

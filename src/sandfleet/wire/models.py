@@ -241,7 +241,8 @@ class ExecResult(WireResponse):
 
     ``status`` is ``exited`` (see ``exit_code``), ``signaled`` (see ``signal``),
     ``timeout`` (killed at its deadline; ``exit_code`` is None) or ``oom``
-    (killed by the sandbox's memory limit, from the cgroup's OOM counter).
+    (it failed while the sandbox's memory limit killed a process of it, from
+    the cgroup's OOM counter; ``exit_code`` is None, ``signal`` 9).
     """
 
     status: ExecStatus
