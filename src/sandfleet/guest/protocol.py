@@ -227,7 +227,9 @@ def _command_fields(req: ExecRequest | SpawnRequest) -> list[tuple[bytes, bytes]
         fields.append((b"u", _c_string("user", req.user)))
     if req.kill_grace_ms:
         fields.append((b"g", _u64(req.kill_grace_ms)))
-    fields.append((b"o", _u64(req.max_output_bytes)))
+    # No cap: the whole output streams live (the head never ends), nothing is held.
+    cap = req.max_output_bytes if req.max_output_bytes is not None else 1 << 62
+    fields.append((b"o", _u64(cap)))
     return fields
 
 

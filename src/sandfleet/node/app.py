@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from sandfleet.node.registration import heartbeat_forever
 from sandfleet.node.service import NodeService
-from sandfleet.wire.errors import SandfleetError
+from sandfleet.wire.errors import InvalidArgument, SandfleetError
 from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
@@ -97,6 +97,11 @@ def create_node_app(
 
     @api.post("/{sandbox_id}/exec")
     async def exec_(sandbox_id: str, req: ExecRequest, request: Request) -> ExecResult:
+        if req.max_output_bytes is None:
+            raise InvalidArgument(
+                "max_output_bytes=None (no cap) is for streamed exec only: an uncapped"
+                " capture could fill memory; give a cap or use exec_stream / on_stdout"
+            )
         return await cancel_on_disconnect(request, svc.exec(sandbox_id, req))
 
     @api.post("/{sandbox_id}/exec/stream")

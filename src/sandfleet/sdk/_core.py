@@ -324,7 +324,7 @@ def exec_body(
     stdin: bytes | str | None,
     timeout_s: float,
     user: str | None = None,
-    max_output_bytes: int = EXEC_MAX_OUTPUT_BYTES,
+    max_output_bytes: int | None = EXEC_MAX_OUTPUT_BYTES,
 ) -> bytes:
     """The JSON body of an exec call (validated, so a bad call fails before any request)."""
     if isinstance(stdin, str):

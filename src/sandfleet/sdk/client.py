@@ -340,7 +340,7 @@ class AsyncSandbox:
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
         user: str | None = None,
-        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        max_output_bytes: int | None = _core.EXEC_MAX_OUTPUT_BYTES,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
@@ -354,7 +354,8 @@ class AsyncSandbox:
         as a user of the sandbox's ``/etc/passwd``: a name, a uid or
         ``"user:group"`` (None: root). ``max_output_bytes`` caps the stdout and
         stderr kept, each: the first half and the last half are kept, the middle
-        is dropped and counted in ``stdout_dropped``/``stderr_dropped``. A
+        is dropped and counted in ``stdout_dropped``/``stderr_dropped``; None
+        means no cap and is allowed only when streaming (with callbacks). A
         non-zero exit is a result, not an error: check ``result.ok``.
 
         With ``on_stdout``/``on_stderr`` (functions taking ``bytes``; with
@@ -397,7 +398,7 @@ class AsyncSandbox:
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
         user: str | None = None,
-        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        max_output_bytes: int | None = _core.EXEC_MAX_OUTPUT_BYTES,
     ) -> AsyncIterator[ExecEvent]:
         """Run a command and yield its output as it comes, then how it ended.
 

@@ -272,7 +272,7 @@ class Sandbox:
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
         user: str | None = None,
-        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        max_output_bytes: int | None = _core.EXEC_MAX_OUTPUT_BYTES,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
@@ -305,7 +305,7 @@ class Sandbox:
         stdin: bytes | str | None = None,
         timeout_s: float = 60.0,
         user: str | None = None,
-        max_output_bytes: int = _core.EXEC_MAX_OUTPUT_BYTES,
+        max_output_bytes: int | None = _core.EXEC_MAX_OUTPUT_BYTES,
     ) -> Iterator[ExecEvent]:
         body = _core.exec_body(
             cmd,

@@ -159,8 +159,11 @@ class ExecRequest(WireModel):
     cwd: str | None = None
     stdin: B64Bytes = b""
     timeout_s: float = Field(60.0, gt=0, le=86400)
-    max_output_bytes: int = Field(
-        16 * 1024 * 1024, ge=0, description="Cap on captured stdout and stderr each, bytes."
+    max_output_bytes: int | None = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="Cap on captured stdout and stderr each, bytes (head and tail kept). "
+        "None: no cap, for streamed exec only (a capture without a cap could fill memory).",
     )
     user: str | None = Field(
         None,
