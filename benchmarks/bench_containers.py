@@ -171,15 +171,21 @@ def cgroup_charge(sandbox_id: str) -> int:
     return 0
 
 
-def deployment_rss_kib(state: Path) -> int:
-    """VmRSS of the ``sandfleet up`` process (control plane + node agent) using ``state``."""
+def deployment_pids(state: Path) -> list[int]:
+    """The processes of the deployment using ``state``: ``sandfleet up`` and its node agent."""
     needle = f"--state-dir\0{state}\0".encode()
+    pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 if needle in (entry / "cmdline").read_bytes():
-                    return proc_kib(int(entry.name), "status", "VmRSS")
-    return 0
+                    pids.append(int(entry.name))
+    return pids
+
+
+def deployment_rss_kib(state: Path) -> int:
+    """Sum of VmRSS of the control plane and node agent processes using ``state``."""
+    return sum(proc_kib(pid, "status", "VmRSS") for pid in deployment_pids(state))
 
 
 def loadavg() -> str:
@@ -357,7 +363,7 @@ class Bench:
         )
 
     def node_http(self) -> httpx.Client:
-        token = (self.state / "token").read_text().strip()
+        token = (self.state / "node-token").read_text().strip()  # cluster token of `up`
         return httpx.Client(
             base_url=f"http://127.0.0.1:{self.dep.node_port}",
             headers={"Authorization": f"Bearer {token}"},
@@ -482,7 +488,7 @@ class Bench:
             ("RSS of the processes in the boxes", rss / n),
             ("PSS of the processes in the boxes", pss / n),
             ("memory cgroup charge (usage_in_bytes / memory.current)", charge / n),
-            ("`sandfleet up` process (control plane + node) RSS growth", up),
+            ("control plane + node agent processes RSS growth", up),
         ):
             t.add_row(what, f"{kib / 1024:.2f} MiB", f"{kib * n / 1024:.0f} MiB")
         t.add_row(
@@ -527,7 +533,7 @@ class Bench:
             "control plane + node agent RSS growth per idle sandbox",
             f"{up / 1024:.2f} MiB",
             "—",
-            f"VmRSS of the `sandfleet up` process, after - before, / n "
+            f"VmRSS of the `sandfleet up` and node agent processes, after - before, / n "
             f"({up_before / 1024:.0f} MiB before)",
         )
 

@@ -142,8 +142,11 @@ class ControlPlane:
         return info
 
     def _reconcile(self, node_id: str, hosted: set[str]) -> None:
-        """Close records of sandboxes the node no longer hosts (it restarted without them)."""
-        for info in self.store.list_sandboxes(node_id=node_id, states=("running",)):
+        """Close records of sandboxes the node no longer hosts (it restarted without them).
+
+        Creates that were in flight on it died with its previous process.
+        """
+        for info in self.store.list_sandboxes(node_id=node_id, states=("creating", "running")):
             if info.id not in hosted:
                 self.store.set_sandbox_state(info.id, "destroyed")
                 log.info("sandbox %s is gone from node %s: record closed", info.id, node_id)
