@@ -42,9 +42,10 @@ import resource
 import shutil
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sandfleet.backends.base import BoxHandle, SandboxSpec
 from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
@@ -63,6 +64,8 @@ from sandfleet.wire.errors import (
 )
 
 __all__ = ["ContainerBackend"]
+
+T = TypeVar("T")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _LOG_TAIL = 2000
@@ -297,14 +300,17 @@ class ContainerBackend:
         bundle = box.bundle
         bundle.mkdir(mode=0o700)
         (bundle / "rootfs").mkdir()
-        disk = self.disks.make(bundle, spec.disk_mb or self._disk_max_mb)
+        # Loop devices and mounts can block for milliseconds in the kernel: off the
+        # event loop, so creates in flight overlap instead of queueing behind them.
+        disk = await _settled(self.disks.make, bundle, spec.disk_mb or self._disk_max_mb)
         lowers = []
         for layer in spec.layers:
             name, point = self.layers.acquire(layer)
             box.layers.append(name)
             lowers.append(str(point))
         (bundle / "sandbox.json").write_text(json.dumps({"id": spec.id, "layers": box.layers}))
-        self._mount_rootfs(bundle, disk, list(reversed(lowers)))  # overlayfs wants top first
+        # overlayfs wants the top layer first
+        await _settled(self._mount_rootfs, bundle, disk, list(reversed(lowers)))
 
         cg_path = f"/sandfleet/{spec.id}"
         config = oci_config(
@@ -480,12 +486,7 @@ class ContainerBackend:
             problems += [f"cgroup {d} busy" for d in stuck]
         if runc_state.exists() and not problems:
             await asyncio.to_thread(shutil.rmtree, runc_state, True)
-        # deepest first: the overlay (rootfs/) before the disk holding its upper layer
-        for point in mounts_under(box.bundle):
-            try:
-                umount(point)
-            except OSError:
-                umount(point, MNT_DETACH)
+        await _settled(_unmount_all, box.bundle)
         for name in box.layers:
             self.layers.release(name)
         box.layers = []
@@ -637,6 +638,29 @@ class ContainerBackend:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+async def _settled(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread; on cancellation, wait for it before re-raising.
+
+    Teardown after a cancelled create must see the mounts as they ended up, not
+    race a thread still making them.
+    """
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        raise
+
+
+def _unmount_all(bundle: Path) -> None:
+    # deepest first: the overlay (rootfs/) before the disk holding its upper layer
+    for point in mounts_under(bundle):
+        try:
+            umount(point)
+        except OSError:
+            umount(point, MNT_DETACH)
 
 
 def _bind_agent_socket(bundle: Path) -> socket.socket:
