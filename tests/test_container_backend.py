@@ -27,7 +27,7 @@ import pytest
 from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
 from sandfleet.backends.container import ContainerBackend
 from sandfleet.backends.container import backend as backend_module
-from sandfleet.backends.container.bundle import AGENT_CAPS, DEFAULT_CAPS, oci_config
+from sandfleet.backends.container.bundle import AGENT_CAPS, COMMAND_CAPS, DEFAULT_CAPS, oci_config
 from sandfleet.backends.container.disk import loop_devices_under
 from sandfleet.node.mounts import mounts_under
 from sandfleet.wire.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
@@ -276,11 +276,12 @@ def test_proc_masked_and_caps(backend: ContainerBackend, busybox_layer: Path) ->
             assert r.stdout.strip() == b"0", path
         r = await sh(h, "ls /sys/firmware | wc -l; echo 1 > /proc/sysrq-trigger")
         assert r.stdout.strip() == b"0" and r.exit_code != 0
-        # commands get runc's default set; the agent (PID 1) also CAP_SETUID/SETGID
+        # commands get runc's default set minus CAP_KILL; the agent (PID 1) holds
+        # that and CAP_SETUID/SETGID
         r = await sh(h, "grep -E '^Cap(Eff|Prm|Inh)' /proc/self/status")
         got = dict(ln.split(":\t") for ln in r.stdout.decode().splitlines())
-        assert int(got["CapEff"], 16) == _cap_mask(DEFAULT_CAPS), got
-        assert int(got["CapPrm"], 16) == _cap_mask(DEFAULT_CAPS), got
+        assert int(got["CapEff"], 16) == _cap_mask(COMMAND_CAPS), got
+        assert int(got["CapPrm"], 16) == _cap_mask(COMMAND_CAPS), got
         assert int(got["CapInh"], 16) == 0
         r = await sh(h, "grep -E '^CapEff' /proc/1/status")
         assert int(r.stdout.split()[1], 16) == _cap_mask(AGENT_CAPS)

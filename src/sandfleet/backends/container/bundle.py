@@ -4,7 +4,7 @@ Written by code rather than by patching ``runc spec`` output: what a sandbox
 may see and do is then in one reviewable place. The defaults mirror runc's
 own ``runc spec`` (capabilities, masked and read-only paths, /dev mounts),
 minus the terminal and plus our limits, seccomp filter and the agent (which also
-holds CAP_SETUID and CAP_SETGID, see :data:`AGENT_CAPS`).
+holds CAP_SETUID and CAP_SETGID, see :data:`AGENT_CAPS` and :data:`COMMAND_CAPS`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "AGENT_CAPS",
     "AGENT_LISTEN_FD",
     "AGENT_PATH",
+    "COMMAND_CAPS",
     "CPU_PERIOD_US",
     "DEFAULT_CAPS",
     "MASKED_PATHS",
@@ -32,12 +33,15 @@ CPU_PERIOD_US = 100_000
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # runc's default set: enough to send signals and bind low ports, nothing else.
-# Commands run with exactly this set.
 DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
 # The container's process (the agent) also holds what it needs to run a
-# command as another user; it drops both from every command it starts
-# (effective, permitted, inheritable; no_new_privs keeps them from coming back).
+# command as another user.
 AGENT_CAPS = [*DEFAULT_CAPS, "CAP_SETGID", "CAP_SETUID"]
+# What commands keep: the agent drops CAP_SETUID/CAP_SETGID and CAP_KILL from
+# each (effective, permitted, inheritable; no_new_privs keeps them from coming
+# back). Without CAP_KILL no command can signal the agent's own processes,
+# which run under a uid of their own; root commands still signal root's.
+COMMAND_CAPS = ["CAP_AUDIT_WRITE", "CAP_NET_BIND_SERVICE"]
 
 # As in `runc spec` (1.1): hidden behind /dev/null (files) or an empty
 # read-only tmpfs (directories) ...
