@@ -179,7 +179,13 @@ def test_oci_config_defaults() -> None:
         memory_mb=64, cpu=0.5, pids_limit=100, cgroups_path="/sandfleet/x",
     )  # fmt: skip
     assert cfg["ociVersion"] == "1.0.2"
-    assert cfg["process"]["args"] == ["/.sandfleet/agent", "--listen-fd", "3"]
+    assert cfg["process"]["args"] == [
+        "/.sandfleet/agent",
+        "--listen-fd",
+        "3",
+        "--run-dir",
+        "/.sandfleet/run",
+    ]
     assert "A=1" in cfg["process"]["env"]
     caps = cfg["process"]["capabilities"]
     for key in ("bounding", "effective", "permitted"):

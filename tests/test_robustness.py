@@ -117,3 +117,23 @@ def test_api_token_is_enforced_and_required_off_loopback(tmp_path: Path) -> None
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_second_tester_defects_stay_fixed(deployment: LocalDeployment) -> None:
+    """spawn survives a /tmp clean-up; '/' cannot be removed; a disk bigger than free space."""
+    with Client(deployment.url) as client, client.create(image=BUSYBOX_IMAGE) as sb:
+        sb.exec("rm -rf /tmp/* /tmp/.[!.]* /run/* /.sandfleet/run/* 2>/dev/null; true")
+        p = sb.spawn("echo spawned")
+        assert p.wait(timeout_s=10).state == "exited"
+        assert p.read_output().data == b"spawned\n"
+        with pytest.raises(errors.InvalidArgument, match="root"):
+            sb.files.remove("/", recursive=True)
+        assert sb.exec("ls /bin/sh").ok
+        with pytest.raises(errors.InvalidArgument, match="loop of symlinks"):
+            sb.exec("ln -s /tmp/l2 /tmp/l1; ln -s /tmp/l1 /tmp/l2")
+            sb.files.read("/tmp/l1")
+        st = os.statvfs(deployment.state_dir)
+        free_mb, size_mb = st.f_bavail * st.f_frsize >> 20, st.f_blocks * st.f_frsize >> 20
+        assert free_mb < size_mb - 64, "the test needs a disk that is not empty"
+        with pytest.raises(errors.ResourceExhausted, match="free disk"):
+            client.create(image=BUSYBOX_IMAGE, disk_mb=(free_mb + size_mb) // 2)

@@ -79,8 +79,10 @@ def validate_create(req: CreateSandboxRequest) -> None:
                 f"label {key!r} has a value of {len(value)} characters: at most 256"
             )
     for key, value in req.env.items():
-        if not key or "=" in key or "\0" in key or "\0" in value:
+        if not key or "=" in key or "\0" in key:
             raise InvalidArgument(f"env name {key!r} is not valid: no '=' or NUL, not empty")
+        if "\0" in value:
+            raise InvalidArgument(f"env {key!r} has a NUL byte in its value: remove it")
     env_bytes = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in req.env.items())
     if env_bytes > 256 * 1024:
         raise InvalidArgument(f"env is {env_bytes} bytes: at most 262144 (pass data as files)")

@@ -58,6 +58,7 @@ static const char *sock_path;
 static pid_t main_pid; /* ping reports the agent, not the handler */
 /* Supervisor sockets live here (0700, root); "" if no writable place was found. */
 static char run_dir[96];
+static int make_run_dir(const char *path);
 /* Spawn ids: one counter shared by all handlers through a MAP_SHARED page that
  * PID 1 maps but never touches, so it costs PID 1 no RSS. */
 static uint64_t *spawn_ctr;
@@ -1732,6 +1733,16 @@ static void op_spawn(int c, const uint8_t *req, uint32_t n)
 		if (!ni) _exit(1);
 		memcpy((in = ni) + in_len, data_buf, len);
 		in_len += len;
+	}
+	if (*run_dir) {
+		/* A command may have removed it (a /tmp clean-up): make it again. */
+		char again[sizeof run_dir];
+		memcpy(again, run_dir, sizeof again);
+		if (make_run_dir(again) < 0) {
+			send_err(c, EACCES, "spawn: the supervisors' directory %s is unusable (%s); a command"
+				 " replaced it with something else", again, strerror(errno));
+			return;
+		}
 	}
 	if (!*run_dir || !spawn_ctr) {
 		send_err(c, EROFS, "spawn: the agent found no writable directory for process supervisors");

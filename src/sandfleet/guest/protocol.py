@@ -111,6 +111,7 @@ from sandfleet.wire.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     SandfleetError,
 )
 from sandfleet.wire.models import (
@@ -369,6 +370,8 @@ _HINTS = {
     errno.ENOTDIR: "a component of the path is not a directory",
     errno.EEXIST: "the path exists already",
     errno.EINVAL: "change the argument",
+    errno.ELOOP: "the path runs through a loop of symlinks",
+    errno.ENAMETOOLONG: "a name in the path is over 255 bytes, or the path over 4095",
 }
 
 
@@ -394,8 +397,10 @@ def decode_error(payload: bytes, in_exec: bool = False) -> SandfleetError:
         return FailedPrecondition(f"{msg}; spawn a new process to send more input")
     if err in (errno.ENOSPC, errno.EDQUOT):
         return FailedPrecondition(
-            f"{msg}: no space left on device; free space in the sandbox or ask for a bigger disk"
+            f"{msg}; free space in the sandbox, or create it with a larger disk_mb"
         )
     if err == errno.EAGAIN:
-        return FailedPrecondition(f"{msg}; the sandbox is at its process limit, retry later")
+        return ResourceExhausted(
+            f"{msg}; the sandbox is at its process limit (pids_limit): retry once some end"
+        )
     return Internal(f"{msg} (errno {err})")

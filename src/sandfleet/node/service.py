@@ -425,6 +425,9 @@ class NodeService:
         return await self._box(sandbox_id).agent.stat(path)
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        """Remove a file or (``recursive``) a tree; the sandbox's root itself is refused."""
+        if os.path.normpath("/" + path.lstrip("/")) == "/":
+            raise InvalidArgument("refusing to remove the sandbox's root '/': name what to remove")
         await self._box(sandbox_id).agent.remove(path, recursive=recursive)
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> FileEntry:

@@ -378,14 +378,29 @@ def exec_stream_request(
 
 
 class ExecCollector:
-    """Rebuilds a full :class:`ExecResult` from the events of a streaming exec."""
+    """Rebuilds a full :class:`ExecResult` from the events of a streaming exec.
 
-    def __init__(self) -> None:
+    ``keep_stdout``/``keep_stderr`` False: that stream went to a callback with no
+    cap, and holding it too would make the client's memory unbounded.
+    """
+
+    def __init__(self, keep_stdout: bool = True, keep_stderr: bool = True) -> None:
         self._out = bytearray()
         self._err = bytearray()
+        self._keep = {"stdout": keep_stdout, "stderr": keep_stderr}
         self._result: ExecResult | None = None
 
+    @classmethod
+    def for_exec(
+        cls, max_output_bytes: int | None, on_stdout: object, on_stderr: object
+    ) -> ExecCollector:
+        """Keeps what :meth:`AsyncSandbox.exec` documents: all of it unless uncapped."""
+        uncapped = max_output_bytes is None
+        return cls(not (uncapped and on_stdout), not (uncapped and on_stderr))
+
     def add(self, event: ExecEvent) -> None:
+        if event.type in self._keep and not self._keep[event.type]:
+            return
         if event.type == "stdout":
             self._out += event.data
         elif event.type == "stderr":

@@ -355,8 +355,9 @@ class AsyncSandbox:
         ``"user:group"`` (None: root). ``max_output_bytes`` caps the stdout and
         stderr kept, each: the first half and the last half are kept, the middle
         is dropped and counted in ``stdout_dropped``/``stderr_dropped``; None
-        means no cap and is allowed only when streaming (with callbacks). A
-        non-zero exit is a result, not an error: check ``result.ok``.
+        means no cap and is allowed only when streaming (with callbacks); the
+        result then omits the output its callback received, so nothing grows
+        without bound. A non-zero exit is a result, not an error: check ``result.ok``.
 
         With ``on_stdout``/``on_stderr`` (functions taking ``bytes``; with
         :class:`AsyncClient` they may be async), output is streamed: each is
@@ -380,7 +381,7 @@ class AsyncSandbox:
         )
         if on_stdout is None and on_stderr is None:
             return await self._exec(body, timeout_s)
-        collected = _core.ExecCollector()
+        collected = _core.ExecCollector.for_exec(max_output_bytes, on_stdout, on_stderr)
         async with contextlib.aclosing(self._exec_events(body, timeout_s)) as events:
             async for event in events:
                 callback = {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)

@@ -287,7 +287,7 @@ class Sandbox:
         )
         if on_stdout is None and on_stderr is None:
             return self._exec(body, timeout_s)
-        collected = _core.ExecCollector()
+        collected = _core.ExecCollector.for_exec(max_output_bytes, on_stdout, on_stderr)
         with contextlib.closing(self._exec_events(body, timeout_s)) as events:
             for event in events:
                 callback = {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)

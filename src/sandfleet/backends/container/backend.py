@@ -72,7 +72,7 @@ _LOG_TAIL = 2000
 MEMORY_MIN_MB = 16
 PIDS_MIN, PIDS_MAX = 8, 65536
 CPU_MIN = 0.01
-CPU_OVERCOMMIT = 4  # a box may ask for up to 4x the node's cores (quota, not reservation)
+CPU_OVERCOMMIT = 1  # a quota beyond the node's cores would limit nothing: refuse it
 
 
 def _host_memory_mb() -> int:
@@ -269,9 +269,16 @@ class ContainerBackend:
                 f"sandbox {spec.id} already exists on this node (leftover {bundle}; destroy it)"
             )
         st = os.statvfs(self.state_dir)
-        if st.f_bavail * st.f_frsize < self.min_free_mb << 20:
+        free_mb = (st.f_bavail * st.f_frsize >> 20) - self.min_free_mb
+        if free_mb <= 0:
             raise ResourceExhausted(
                 f"the node's disk has less than {self.min_free_mb} MiB free ({self.state_dir})"
+            )
+        if spec.disk_mb is not None and spec.disk_mb > free_mb:
+            # Images are sparse, but one box must not be able to fill the node's disk.
+            raise ResourceExhausted(
+                f"disk_mb={spec.disk_mb} is more than this node's free disk ({free_mb} MiB"
+                f" after a {self.min_free_mb} MiB reserve): ask for less"
             )
         self._busy.add(spec.id)
         box = _Box(id=spec.id, bundle=bundle)

@@ -17,6 +17,7 @@ __all__ = [
     "AGENT_CAPS",
     "AGENT_LISTEN_FD",
     "AGENT_PATH",
+    "AGENT_RUN_DIR",
     "COMMAND_CAPS",
     "CPU_PERIOD_US",
     "DEFAULT_CAPS",
@@ -29,6 +30,9 @@ AGENT_PATH = "/.sandfleet/agent"
 #: The agent's listening socket arrives as this fd (``runc run --preserve-fds 1``).
 #: The node binds it outside the rootfs, so nothing inside can replace or reach it.
 AGENT_LISTEN_FD = 3
+#: Where the agent's supervisors of spawned processes listen: a small tmpfs of its
+#: own, out of the way of a command cleaning /tmp or /run.
+AGENT_RUN_DIR = "/.sandfleet/run"
 CPU_PERIOD_US = 100_000
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -96,7 +100,7 @@ def oci_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)],
+            "args": [AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD), "--run-dir", AGENT_RUN_DIR],
             "env": [f"{k}={v}" for k, v in environ.items()],
             "cwd": "/",
             "capabilities": {
@@ -148,6 +152,12 @@ def oci_config(
                 "type": "bind",
                 "source": agent_host_path,
                 "options": ["rbind", "ro", "nosuid", "nodev"],
+            },
+            {
+                "destination": AGENT_RUN_DIR,
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "noexec", "mode=700", "size=1m"],
             },
         ],
         "linux": {
