@@ -47,6 +47,12 @@ def test_reads_refuse_devices_and_oversized_files(deployment: LocalDeployment) -
     with Client(deployment.url) as client, client.create(image=BUSYBOX_IMAGE) as sb:
         with pytest.raises(errors.InvalidArgument, match="regular file"):
             sb.files.read("/dev/zero")
+        sb.exec("ln -s /dev/zero /tmp/zero; mkfifo /tmp/fifo")
+        for hidden in ("/tmp/zero", "/tmp/fifo"):  # behind a symlink; a FIFO with no writer
+            with pytest.raises(errors.InvalidArgument, match="regular file"):
+                sb.files.read(hidden)
+            with pytest.raises(errors.InvalidArgument, match="regular file"):
+                sb.files.download(hidden, "/dev/null")
         with pytest.raises(errors.InvalidArgument, match="directory"):
             sb.files.read("/tmp")
         sb.exec("head -c 4096 /dev/zero > /tmp/4k")

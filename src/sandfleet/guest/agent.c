@@ -942,15 +942,28 @@ static int stat_reply(int c, const char *what, const char *path)
 static void op_read(int c, const char *path)
 {
 	struct stat st;
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	/* O_NONBLOCK: opening a FIFO must not wait for a writer. The type is checked
+	 * on the open file, so a symlink to a device or FIFO is refused too. */
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0) {
 		send_err(c, errno, "read '%s': %s", path, strerror(errno));
 		return;
 	}
-	if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+	if (fstat(fd, &st) < 0) {
+		send_err(c, errno, "read '%s': %s", path, strerror(errno));
+		return;
+	}
+	if (S_ISDIR(st.st_mode)) {
 		send_err(c, EISDIR, "read '%s': is a directory", path);
 		return;
 	}
+	if (!S_ISREG(st.st_mode)) {
+		/* a device such as /dev/zero or a FIFO would never end */
+		send_err(c, EINVAL, "read '%s': not a regular file (device, FIFO or socket): only"
+			 " regular files can be read", path);
+		return;
+	}
+	fcntl(fd, F_SETFL, 0);
 	for (;;) {
 		ssize_t r = read(fd, io_buf, CHUNK);
 		if (r < 0 && errno == EINTR) continue;

@@ -384,31 +384,30 @@ class NodeService:
         """Yield the file's chunks; errors raise before the first chunk.
 
         Only regular files are read (a device such as /dev/zero or a FIFO would
-        never end); with ``max_bytes`` a larger file is refused up front and
-        one that grows meanwhile is cut at ``max_bytes``.
+        never end); with ``max_bytes`` a larger file is refused up front, and
+        the stream is broken off (never silently cut) if it grows past it.
         """
         agent = self._box(sandbox_id).agent
-        entry = await agent.stat(path)
-        if entry.type in ("dir", "other"):
-            what = "a directory" if entry.type == "dir" else "not a regular file (device, FIFO...)"
-            raise InvalidArgument(f"{path} is {what}: only regular files can be read")
-        if max_bytes is not None and entry.size > max_bytes:
-            raise InvalidArgument(
-                f"{path} is {entry.size} bytes, over max_bytes={max_bytes}: use download()"
-            )
+        if max_bytes is not None:
+            entry = await agent.stat(path)
+            if entry.type == "file" and entry.size > max_bytes:
+                raise InvalidArgument(
+                    f"{path} is {entry.size} bytes, over max_bytes={max_bytes}: use download()"
+                )
+        # The agent refuses directories, devices and FIFOs (also behind a symlink).
         stream = agent.read_file(path).__aiter__()
         first = await anext(stream, None)
 
         async def chunks() -> AsyncIterator[bytes]:
-            left = max_bytes
+            sent = 0
             pending = first
             while pending is not None:
-                if left is not None:
-                    pending = pending[:left]
-                    left -= len(pending)
+                sent += len(pending)
+                if max_bytes is not None and sent > max_bytes:
+                    # Grew past the cap (or a symlink hid its size): break the
+                    # stream off rather than hand back a silently cut file.
+                    raise InvalidArgument(f"{path} grew past max_bytes={max_bytes}")
                 yield pending
-                if left == 0:
-                    return
                 pending = await anext(stream, None)
 
         yield chunks()
