@@ -327,19 +327,28 @@ def exec_body(
     max_output_bytes: int | None = EXEC_MAX_OUTPUT_BYTES,
 ) -> bytes:
     """The JSON body of an exec call (validated, so a bad call fails before any request)."""
+    fields = _command_fields(cmd, env, cwd, stdin, user)
+    body = _build(ExecRequest, **fields, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
+    return body.model_dump_json().encode()
+
+
+def _command_fields(
+    cmd: str | Sequence[str],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    stdin: bytes | str | None,
+    user: str | None,
+) -> dict[str, Any]:
+    """What exec and spawn requests share, normalised (str stdin is UTF-8 encoded)."""
     if isinstance(stdin, str):
         stdin = stdin.encode()
-    body = _build(
-        ExecRequest,
-        cmd=_cmd(cmd),
-        env=dict(env or {}),
-        cwd=cwd,
-        stdin=stdin or b"",
-        timeout_s=timeout_s,
-        user=user,
-        max_output_bytes=max_output_bytes,
-    )
-    return body.model_dump_json().encode()
+    return {
+        "cmd": _cmd(cmd),
+        "env": dict(env or {}),
+        "cwd": cwd,
+        "stdin": stdin or b"",
+        "user": user,
+    }
 
 
 def _cmd(cmd: str | Sequence[str]) -> str | list[str]:
@@ -505,16 +514,10 @@ def spawn_request(
     close_stdin: bool,
     max_output_bytes: int,
 ) -> Request[ProcessInfo]:
-    if isinstance(stdin, str):
-        stdin = stdin.encode()
     body = _build(
         SpawnRequest,
-        cmd=_cmd(cmd),
-        env=dict(env or {}),
-        cwd=cwd,
-        stdin=stdin or b"",
+        **_command_fields(cmd, env, cwd, stdin, user),
         timeout_s=timeout_s,
-        user=user,
         close_stdin=close_stdin,
         max_output_bytes=max_output_bytes,
     )
