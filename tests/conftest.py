@@ -74,6 +74,18 @@ def demo_images_dir() -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def fncall_images_dir() -> Path:
+    """The fncall image (Debian with python3, bash, gcc, g++), built once and cached."""
+    import sys
+
+    from sandfleet.fncall.images import ensure_fncall_image
+
+    root = CACHE_DIR / "images"
+    ensure_fncall_image(root, sys.stderr)
+    return root
+
+
 @pytest.fixture
 def deployment(tmp_path: Path, images_dir: Path) -> Iterator[LocalDeployment]:
     """A real `sandfleet up` on free ports; after the test, nothing may be left on its node."""

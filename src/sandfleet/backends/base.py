@@ -9,11 +9,32 @@ endpoint the backend returns. Modelled on containerd's sandbox controller
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Backend", "BoxHandle", "SandboxSpec"]
+__all__ = ["Backend", "BoxHandle", "BoxInit", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class BoxInit:
+    """A PID 1 other than the in-sandbox agent, for boxes that are not sandboxes.
+
+    fncall workers use it: their PID 1 is a zygote that forks each call. The
+    box's root is then read-only (the image layers only, no writable layer);
+    ``tmpfs`` maps box paths to tmpfs sizes in MiB (mode 1777), ``binds`` maps
+    box paths to host files bind-mounted read-only, ``caps`` are the
+    capabilities PID 1 holds. ``args[0]`` is looked up on the image's PATH.
+    The listening socket still arrives as fd 3; ``ready(socket_path)`` returns
+    once PID 1 answers on it (the backend bounds the wait).
+    """
+
+    args: list[str]
+    ready: Callable[[Path], Awaitable[None]]
+    binds: dict[str, Path] = field(default_factory=dict)
+    tmpfs: dict[str, int] = field(default_factory=dict)
+    caps: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,8 @@ class SandboxSpec:
     """A validated request, resolved to local layer files.
 
     ``layers`` are EROFS files, bottom first. ``memory_mb`` in MiB, ``cpu`` in
-    cores, ``disk_mb`` bounds the writable layer (None: unbounded).
+    cores, ``disk_mb`` bounds the writable layer (None: unbounded). With
+    ``init`` the box runs that instead of the agent, on a read-only root.
     """
 
     id: str
@@ -30,9 +52,10 @@ class SandboxSpec:
     cpu: float
     memory_mb: int
     pids_limit: int
-    disk_mb: int = 4096
+    disk_mb: int | None = 4096
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    init: BoxInit | None = None
 
 
 @dataclass

@@ -101,7 +101,7 @@ def build_node_app(
     registration = NodeRegistration(
         node_id=node_id,
         address=advertise,
-        kinds=sorted(backends),
+        kinds=sorted([*backends, *(["fncall"] if service.fncall else [])]),
         capacity=capacity,
         capabilities={k: b.capabilities() for k, b in backends.items()},
     )

@@ -35,7 +35,10 @@ from sandfleet.wire.models import (
     NodeInfo,
     NodeRegistration,
     OutputChunk,
+    PoolConfig,
+    PoolInfo,
     ProcessInfo,
+    RunResult,
     SandboxInfo,
     SpawnRequest,
 )
@@ -407,6 +410,23 @@ def create_app(
     @api.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=FileEntry)
     async def mkdir(sandbox_id: str, path: str, cp: CP, parents: bool = True) -> Response:
         return await _simple(sandbox_id, "POST", "/files/mkdir", cp, path=path, parents=parents)
+
+    # ---------------------------------------------------------------- fncall
+    @api.post("/run", response_model=RunResult)
+    async def run(request: Request, cp: CP) -> Response:
+        # Passed on as bytes: the node validates, and parsing here too would
+        # cost as much CPU as the call itself at thousands of calls per second.
+        body = await request.body()
+        answer = await cancel_on_disconnect(request, cp.run_raw(body))
+        return Response(answer, media_type="application/json")
+
+    @api.get("/pools")
+    async def list_pools(cp: CP) -> dict[str, list[PoolInfo]]:
+        return {"pools": await cp.pools()}
+
+    @api.put("/pools")
+    async def configure_pool(config: PoolConfig, cp: CP) -> dict[str, list[PoolInfo]]:
+        return {"pools": await cp.configure_pool(config)}
 
     app.include_router(nodes_api)
     app.include_router(api)

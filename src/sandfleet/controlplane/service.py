@@ -7,7 +7,9 @@ store, so it can restart, or run as several instances, without losing any.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import json
 import logging
 import math
 import random
@@ -39,6 +41,10 @@ from sandfleet.wire.models import (
     NodeHeartbeat,
     NodeInfo,
     NodeRegistration,
+    PoolConfig,
+    PoolInfo,
+    RunRequest,
+    RunResult,
     SandboxInfo,
 )
 
@@ -50,6 +56,10 @@ log = logging.getLogger("sandfleet.controlplane")
 NODE_TIMEOUT_S = 10.0
 #: How many nodes one create may try before giving up with ResourceExhausted.
 MAX_PLACEMENT_ATTEMPTS = 4
+#: Seconds the list of nodes offering fncall is reused before the store is read again.
+FNCALL_NODES_TTL_S = 1.0
+#: Seconds a node may take beyond a call's own time limits.
+FNCALL_MARGIN_S = 15.0
 
 
 def validate_create(req: CreateSandboxRequest) -> None:
@@ -108,6 +118,9 @@ class ControlPlane:
         self._reaper: asyncio.Task[None] | None = None
         #: Creates a node refused (capacity or unreachable) and placement retried elsewhere.
         self.refusals = 0
+        self._fncall_cache: builtins.list[NodeInfo] = []
+        self._fncall_at = -math.inf
+        self._fncall_turn = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -337,6 +350,76 @@ class ControlPlane:
         except Unavailable:
             self._addresses.pop(node_id, None)
             raise
+
+    # ------------------------------------------------------------------ fncall
+
+    def _fncall_nodes(self) -> builtins.list[NodeInfo]:
+        # Cached for a second: the store is not read on every one of thousands of calls.
+        now = time.monotonic()
+        if now - self._fncall_at > FNCALL_NODES_TTL_S:
+            self._fncall_cache = [n for n in self.list_nodes() if n.healthy and "fncall" in n.kinds]
+            self._fncall_at = now
+        if not self._fncall_cache:
+            raise Unavailable(
+                "no healthy node offers kind 'fncall': start a node agent (sandfleet up) and retry"
+            )
+        return self._fncall_cache
+
+    async def run_raw(self, body: bytes) -> bytes:
+        """Hand one fncall call (a :class:`RunRequest` as JSON) to a node; its answer's JSON.
+
+        The body is passed on unparsed (the node validates it) apart from its
+        time limits, which bound the wait. Nodes are taken in turn; one whose
+        pool is full (``ResourceExhausted``) passes the call to the next.
+        Raises what the node raises, ``Unavailable`` when no node offers fncall.
+        """
+        try:
+            doc = json.loads(body)
+            bound = float(doc.get("timeout_s", 10)) + float(doc.get("compile_timeout_s", 30))
+        except (ValueError, TypeError, AttributeError):
+            bound = 3600.0  # malformed: the node says what is wrong
+        nodes = self._fncall_nodes()
+        self._fncall_turn += 1
+        last: SandfleetError | None = None
+        for i in range(len(nodes)):
+            node = nodes[(self._fncall_turn + i) % len(nodes)]
+            try:
+                resp = await self.nodes.call(
+                    node.address,
+                    "POST",
+                    "/v1/run",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout_s=min(bound, 7200.0) + FNCALL_MARGIN_S,
+                )
+                return resp.content
+            except (ResourceExhausted, Unavailable) as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def run(self, req: RunRequest) -> RunResult:
+        """Run one fncall call on some node (see :meth:`run_raw`)."""
+        answer = await self.run_raw(req.model_dump_json().encode())
+        return RunResult.model_validate_json(answer)
+
+    async def pools(self) -> builtins.list[PoolInfo]:
+        """Every fncall pool on every healthy node."""
+        found: builtins.list[PoolInfo] = []
+        for node in self._fncall_nodes():
+            resp = await self.nodes.call(node.address, "GET", "/v1/pools")
+            found += [PoolInfo.model_validate(p) for p in resp.json()["pools"]]
+        return found
+
+    async def configure_pool(self, config: PoolConfig) -> builtins.list[PoolInfo]:
+        """Apply ``config`` to the pool on every healthy node; their new states."""
+        infos = []
+        for node in self._fncall_nodes():
+            resp = await self.nodes.call(
+                node.address, "PUT", "/v1/pools", json=config.model_dump(mode="json")
+            )
+            infos.append(PoolInfo.model_validate(resp.json()))
+        return infos
 
     # ------------------------------------------------------------------ TTL
 

@@ -10,11 +10,14 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
+from sandfleet.fncall.service import FnCallService
 from sandfleet.node.registration import heartbeat_forever
 from sandfleet.node.service import NodeService
-from sandfleet.wire.errors import InvalidArgument, SandfleetError
+from sandfleet.wire.errors import FailedPrecondition, InvalidArgument, SandfleetError
 from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
@@ -22,7 +25,11 @@ from sandfleet.wire.models import (
     NodeCreateRequest,
     NodeRegistration,
     OutputChunk,
+    PoolConfig,
+    PoolInfo,
     ProcessInfo,
+    RunRequest,
+    RunResult,
     SpawnRequest,
 )
 from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
@@ -60,6 +67,7 @@ def create_node_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.recover()
+        service.start()
         task = None
         if control_plane and registration:
             task = asyncio.get_running_loop().create_task(
@@ -227,4 +235,39 @@ def create_node_app(
         return await svc.mkdir(sandbox_id, path, parents)
 
     app.include_router(api)
+    app.include_router(fncall_router(svc, token))
     return app
+
+
+def fncall_router(svc: NodeService, token: str | None) -> APIRouter:
+    """``POST /v1/run``, ``GET/PUT /v1/pools``: the node's fncall pools.
+
+    The run call reads and writes raw JSON: at thousands of calls per second
+    FastAPI's own validation and serialization of the same models would
+    double the per-call CPU.
+    """
+    router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
+
+    def pools() -> FnCallService:
+        if svc.fncall is None:
+            raise FailedPrecondition(f"node {svc.node_id} does not offer kind 'fncall'")
+        return svc.fncall
+
+    @router.post("/run", response_model=RunResult)
+    async def run(request: Request) -> Response:
+        try:
+            req = RunRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        result = await cancel_on_disconnect(request, pools().run(req))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @router.get("/pools")
+    async def list_pools() -> dict[str, list[PoolInfo]]:
+        return {"pools": pools().pool_infos()}
+
+    @router.put("/pools")
+    async def configure_pool(config: PoolConfig) -> PoolInfo:
+        return pools().configure(config)
+
+    return router

@@ -50,7 +50,8 @@ def _box_pids(node_ids: list[str]) -> list[int]:
             continue
         for line in groups.splitlines():
             path = line.rpartition(":")[2]
-            if f"/{CGROUP_PARENT}/sb-" in path and any(path.endswith(f"-{n}") for n in node_ids):
+            boxed = any(f"/{CGROUP_PARENT}/{p}-" in path for p in ("sb", "fw"))
+            if boxed and any(path.endswith(f"-{n}") for n in node_ids):
                 pids.append(int(entry.name))
                 break
     return pids

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Literal
 
 from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
+from sandfleet.backends.container.backend import ContainerBackend
+from sandfleet.fncall.service import FnCallService
 from sandfleet.guest.client import AgentClient, OutputCallback
 from sandfleet.wire.errors import (
     AlreadyExists,
@@ -89,6 +91,12 @@ class NodeService:
         self._boxes: dict[str, _Box] = {}
         self._pending: dict[str, NodeCreateRequest] = {}
         self._lock = asyncio.Lock()
+        self.fncall: FnCallService | None = None
+        container = backends.get("container")
+        if isinstance(container, ContainerBackend):
+            # Workers are boxes of the container backend, so recover() sweeps those
+            # a previous node agent left (they have no metadata to be adopted by).
+            self.fncall = FnCallService(node_id, images_dir, container)
 
     # ------------------------------------------------------------------ load
 
@@ -173,8 +181,18 @@ class NodeService:
             if meta.stem not in self._boxes:
                 meta.unlink(missing_ok=True)
 
+    def start(self) -> None:
+        """Start background work (the fncall pools' upkeep); call after :meth:`recover`."""
+        if self.fncall is not None:
+            self.fncall.start()
+
     async def close(self, destroy_all: bool = False) -> None:
-        """Stop serving; with ``destroy_all`` every box is destroyed first."""
+        """Stop serving; with ``destroy_all`` every box is destroyed first.
+
+        fncall workers hold no state worth keeping: they are always stopped.
+        """
+        if self.fncall is not None:
+            await self.fncall.close()
         if destroy_all:
             await asyncio.gather(
                 *(self.destroy(i) for i in list(self._boxes)), return_exceptions=True

@@ -31,6 +31,7 @@ from sandfleet.wire.errors import (
 )
 from sandfleet.wire.models import (
     BUILT_KINDS,
+    FNCALL_IMAGE,
     KINDS,
     CreateSandboxRequest,
     ExecEvent,
@@ -40,9 +41,14 @@ from sandfleet.wire.models import (
     ImageManifest,
     NodeInfo,
     OutputChunk,
+    PoolConfig,
+    PoolInfo,
     ProcessInfo,
+    RunRequest,
+    RunResult,
     SandboxInfo,
     SpawnRequest,
+    StageResult,
 )
 
 T = TypeVar("T")
@@ -797,3 +803,108 @@ class PartFile:
             os.replace(self._tmp, self.path)
         else:
             os.unlink(self._tmp)
+
+
+# --------------------------------------------------------------------------- fncall
+
+#: Default cap of an fncall call's stdout and stderr each, bytes.
+FNCALL_MAX_OUTPUT_BYTES = 1024 * 1024
+#: Defaults of ``run`` that differ by kind: (timeout_s, memory_mb).
+RUN_DEFAULTS = {"fncall": (10.0, 256), "container": (60.0, 512)}
+
+
+class _Pools(_Answer):
+    pools: list[PoolInfo]
+
+
+def _pools(content: bytes) -> list[PoolInfo]:
+    return _Pools.model_validate_json(content).pools
+
+
+def run_defaults(kind: str, timeout_s: float | None, memory_mb: int | None) -> tuple[float, int]:
+    """``timeout_s`` and ``memory_mb`` of a ``run``, the kind's defaults where None."""
+    t, m = RUN_DEFAULTS.get(kind, RUN_DEFAULTS["container"])
+    return (t if timeout_s is None else timeout_s), (m if memory_mb is None else memory_mb)
+
+
+def fncall_request(
+    code: str | Sequence[str],
+    *,
+    language: str | None,
+    image: str | None,
+    stdin: bytes | str | None,
+    args: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    files: Mapping[str, bytes | str] | None,
+    fetch_files: Sequence[str] | None,
+    timeout_s: float,
+    compile_timeout_s: float,
+    memory_mb: int,
+    max_output_bytes: int,
+) -> Request[RunResult]:
+    """A ``POST /v1/run`` call (validated, so a bad call fails before any request).
+
+    A list ``code`` is a command: allowed for bash only, where it is quoted
+    into one line. str file contents and stdin are UTF-8 encoded.
+    """
+    language = language or "python"
+    if not isinstance(code, str):
+        if isinstance(code, bytes | bytearray) or language != "bash":
+            raise InvalidArgument(
+                "code must be a str (the program); a list of arguments is a command, allowed"
+                " with language='bash' only"
+            )
+        import shlex
+
+        code = shlex.join(list(code))
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    body = _build(
+        RunRequest,
+        code=code,
+        language=language,
+        image=image or FNCALL_IMAGE,
+        stdin=stdin or b"",
+        args=list(args or []),
+        env=dict(env or {}),
+        files={p: d.encode() if isinstance(d, str) else d for p, d in (files or {}).items()},
+        fetch_files=list(fetch_files or []),
+        timeout_s=timeout_s,
+        compile_timeout_s=compile_timeout_s,
+        memory_mb=memory_mb,
+        max_output_bytes=max_output_bytes,
+    )
+    bound = body.timeout_s + (body.compile_timeout_s if body.language in ("c", "cpp") else 0)
+    return Request(
+        "POST",
+        "/v1/run",
+        _model(RunResult),
+        body=body.model_dump_json().encode(),
+        headers=_JSON,
+        timeout_s=bound + EXEC_MARGIN_S + 20.0,  # + the node's margin for a hung worker
+    )
+
+
+def check_not_fncall_only(**given: object) -> None:
+    """Refuse fncall-only arguments of ``run`` for a sandbox kind."""
+    named = [k for k, v in given.items() if v]
+    if named:
+        raise InvalidArgument(
+            f"{', '.join(named)} apply to kind='fncall' only; with a sandbox kind pass a"
+            " command, and use create() and the sandbox's files for files"
+        )
+
+
+def as_run_result(result: ExecResult) -> RunResult:
+    """A sandbox exec's result in the shape of an fncall result (one ``run`` stage)."""
+    fields = result.model_dump()
+    return RunResult(**fields, run=StageResult(**fields))
+
+
+def pools_request() -> Request[list[PoolInfo]]:
+    return Request("GET", "/v1/pools", _pools)
+
+
+def configure_pool_request(**fields: Any) -> Request[list[PoolInfo]]:
+    body = _build(PoolConfig, **{k: v for k, v in fields.items() if v is not None})
+    return Request("PUT", "/v1/pools", _pools, body=body.model_dump_json().encode(), headers=_JSON)

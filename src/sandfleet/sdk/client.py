@@ -33,7 +33,7 @@ from typing import IO, Any, TypeVar
 import httpx
 
 from sandfleet.sdk import _core
-from sandfleet.wire.errors import FailedPrecondition, Internal, NotFound
+from sandfleet.wire.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 from sandfleet.wire.models import (
     ExecEvent,
     ExecResult,
@@ -41,7 +41,9 @@ from sandfleet.wire.models import (
     ImageManifest,
     NodeInfo,
     OutputChunk,
+    PoolInfo,
     ProcessInfo,
+    RunResult,
     SandboxInfo,
 )
 
@@ -212,35 +214,81 @@ class AsyncClient:
 
     async def run(
         self,
-        cmd: str | Sequence[str],
+        code: str | Sequence[str],
         *,
         kind: str = "container",
-        image: str,
+        image: str | None = None,
+        language: str | None = None,
         workspace: str | None = None,
         stdin: bytes | str | None = None,
+        args: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        fetch_files: Sequence[str] | None = None,
         cwd: str | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = None,
+        compile_timeout_s: float = 30.0,
         user: str | None = None,
         cpu: float = 1.0,
-        memory_mb: int = 512,
+        memory_mb: int | None = None,
         pids_limit: int = 256,
         disk_mb: int = 4096,
+        max_output_bytes: int | None = None,
         ttl_s: float | None = 3600.0,
         labels: Mapping[str, str] | None = None,
-    ) -> ExecResult:
-        """Run one command in a fresh sandbox: create, exec, destroy.
+    ) -> RunResult:
+        """Run one program or command and return how it ended.
 
-        Parameters are those of :meth:`create` and :meth:`AsyncSandbox.exec`
-        (``env`` goes to the command). The sandbox is always destroyed — on
-        success, on error and on cancellation (a sandbox whose creation was
-        cancelled mid-flight is destroyed once it exists; :meth:`close` waits
-        for that). All arguments are checked before any request.
+        ``kind="fncall"``: ``code`` is a program in ``language`` (python, the
+        default; bash; c; cpp: compiled under ``compile_timeout_s`` first) run
+        in a warm, scrubbed worker of the ``image``'s pool (default
+        :data:`~sandfleet.wire.models.FNCALL_IMAGE`); ``files`` ({path: content},
+        relative to the working dir /tmp) are written first, ``fetch_files``
+        come back in the result's ``files``. Defaults: ``timeout_s`` 10 s,
+        ``memory_mb`` 256 MiB, ``max_output_bytes`` 1 MiB per stream.
 
-        Raises what :meth:`create`, :meth:`AsyncSandbox.exec` and
-        :meth:`AsyncSandbox.destroy` raise; a failed destroy is raised too
-        (the sandbox's TTL reclaims it).
+        A sandbox kind: ``code`` is a command (a list runs as is, a str through
+        ``/bin/sh -c``) run in a fresh sandbox — create, exec, destroy — with
+        the parameters of :meth:`create` and of exec (``env`` goes to the
+        command). The sandbox is always destroyed, on success, error or
+        cancellation. Defaults: ``timeout_s`` 60 s, ``memory_mb`` 512 MiB,
+        ``max_output_bytes`` 16 MiB.
+
+        Either way the result is a :class:`RunResult` with the statuses of exec
+        (``exited``, ``signaled``, ``timeout``, ``oom``). All arguments are
+        checked before any request.
+
+        Raises ``InvalidArgument`` (bad arguments; fncall-only ones with a
+        sandbox kind), ``NotFound`` (no such image), ``ResourceExhausted``
+        (fncall: the pool's queue is full; sandbox: no node has room),
+        ``FailedPrecondition`` (the image cannot run ``language``), and what
+        create, exec and destroy raise.
         """
+        timeout_s, memory_mb = _core.run_defaults(kind, timeout_s, memory_mb)
+        if kind == "fncall":
+            return await self._send(
+                _core.fncall_request(
+                    code,
+                    language=language,
+                    image=image,
+                    stdin=stdin,
+                    args=args,
+                    env=env,
+                    files=files,
+                    fetch_files=fetch_files,
+                    timeout_s=timeout_s,
+                    compile_timeout_s=compile_timeout_s,
+                    memory_mb=memory_mb,
+                    max_output_bytes=_core.FNCALL_MAX_OUTPUT_BYTES
+                    if max_output_bytes is None
+                    else max_output_bytes,
+                )
+            )
+        _core.check_not_fncall_only(
+            language=language, args=args, files=files, fetch_files=fetch_files
+        )
+        if image is None:
+            raise InvalidArgument(f"kind={kind!r} needs an image: pass image='name:tag'")
         create = _core.create_request(
             kind=kind,
             image=image,
@@ -253,7 +301,12 @@ class AsyncClient:
             labels=labels,
             env=None,
         )
-        body = _core.exec_body(cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s, user=user)
+        body = _core.exec_body(
+            code, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s, user=user,
+            max_output_bytes=_core.EXEC_MAX_OUTPUT_BYTES
+            if max_output_bytes is None
+            else max_output_bytes,
+        )  # fmt: skip
         creating = asyncio.ensure_future(self._create(create))
         try:
             sandbox = await asyncio.shield(creating)
@@ -262,7 +315,7 @@ class AsyncClient:
             self._keep(creating)
             raise
         try:
-            return await sandbox._exec(body, timeout_s)
+            return _core.as_run_result(await sandbox._exec(body, timeout_s))
         finally:
             await self._destroy_shielded(sandbox)
 
@@ -278,6 +331,37 @@ class AsyncClient:
     async def nodes(self) -> builtins.list[NodeInfo]:
         """The nodes registered with the control plane, with their load."""
         return await self._send(_core.nodes_request())
+
+    async def pools(self) -> builtins.list[PoolInfo]:
+        """Every fncall pool on every node: bounds, workers by state, counters."""
+        return await self._send(_core.pools_request())
+
+    async def configure_pool(
+        self,
+        *,
+        image: str | None = None,
+        language: str = "python",
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        max_queue: int | None = None,
+        idle_s: float | None = None,
+    ) -> builtins.list[PoolInfo]:
+        """Set the bounds of the (image, language) fncall pool on every node; their states.
+
+        Unset bounds take :class:`~sandfleet.wire.models.PoolConfig`'s defaults.
+        Warm a pool before a burst with ``min_workers``. Raises ``InvalidArgument``
+        (min above max, out of range) and ``NotFound`` (no such image).
+        """
+        return await self._send(
+            _core.configure_pool_request(
+                image=image,
+                language=language,
+                min_workers=min_workers,
+                max_workers=max_workers,
+                max_queue=max_queue,
+                idle_s=idle_s,
+            )
+        )
 
     async def close(self) -> None:
         """Finish pending cleanups, then close the connection pool. Idempotent."""

@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 
 __all__ = [
     "BUILT_KINDS",
+    "FNCALL_IMAGE",
     "KINDS",
+    "LANGUAGES",
     "B64Bytes",
     "CreateSandboxRequest",
     "ErrorInfo",
@@ -29,6 +31,7 @@ __all__ = [
     "ImageConfig",
     "ImageManifest",
     "Kind",
+    "Language",
     "LayerDescriptor",
     "LayerKind",
     "NodeCapacity",
@@ -37,19 +40,30 @@ __all__ = [
     "NodeInfo",
     "NodeRegistration",
     "OutputChunk",
+    "PoolConfig",
+    "PoolInfo",
     "ProcessInfo",
     "ProcessState",
+    "RunRequest",
+    "RunResult",
     "SandboxInfo",
     "SandboxState",
     "SpawnRequest",
+    "StageResult",
     "WireModel",
     "WireResponse",
 ]
 
 Kind = Literal["fncall", "container", "microvm", "vm"]
 KINDS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
-#: Kinds this release can run; the others are rejected with a clear error.
+#: Kinds of sandbox this release can create; the others are rejected with a clear error.
+#: (``fncall`` has no sandboxes to create: its calls go to ``run``.)
 BUILT_KINDS: tuple[str, ...] = ("container",)
+
+Language = Literal["python", "bash", "c", "cpp"]
+LANGUAGES: tuple[str, ...] = ("python", "bash", "c", "cpp")
+#: The image fncall calls run in unless they name another: Debian with python3, gcc, g++.
+FNCALL_IMAGE = "sandfleet/fncall:1"
 
 ExecStatus = Literal["exited", "signaled", "timeout", "oom"]
 ProcessState = Literal["running", "exited", "signaled", "killed", "timeout"]
@@ -271,6 +285,103 @@ class ExecResult(WireResponse):
     def stderr_text(self) -> str:
         """stderr decoded as UTF-8; undecodable bytes become U+FFFD, never an error."""
         return self.stderr.decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------- fncall
+
+
+class RunRequest(WireModel):
+    """One stateless call (kind ``fncall``): a program run in a warm, scrubbed worker.
+
+    ``code`` is a Python program, a bash script, or a C/C++ translation unit
+    (compiled with ``gcc``/``g++ -O2`` under ``compile_timeout_s``, then run
+    under ``timeout_s``). ``files`` are written before the call and
+    ``fetch_files`` read after it; their paths are relative to the call's
+    working directory ``/tmp`` (or absolute under ``/tmp``). Nothing survives the
+    call: files, environment, processes and imported modules are gone before
+    the worker takes the next one.
+    """
+
+    code: str = Field(max_length=16 * 1024 * 1024)
+    language: Language = "python"
+    image: str = FNCALL_IMAGE
+    stdin: B64Bytes = b""
+    args: list[str] = Field(default_factory=list, description="argv[1:] of the program.")
+    env: dict[str, str] = Field(default_factory=dict)
+    files: dict[str, B64Bytes] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(10.0, gt=0, le=3600, description="Run time limit, seconds.")
+    compile_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Compile time limit of C/C++, seconds."
+    )
+    memory_mb: int = Field(256, ge=16, le=65536, description="Memory limit of the call, MiB.")
+    max_output_bytes: int = Field(
+        1024 * 1024,
+        ge=0,
+        le=64 * 1024 * 1024,
+        description="Cap on captured stdout and stderr each, bytes (head and tail kept).",
+    )
+
+
+class StageResult(ExecResult):
+    """How one stage (compile or run) of a call ended; the same statuses as exec."""
+
+
+class RunResult(StageResult):
+    """How a call ended: the fields of its last stage, plus the stages and files.
+
+    ``stage`` names the last stage that ran: ``compile`` when compiling failed
+    (then ``run`` is None), else ``run``. ``status``, ``exit_code``, ``stdout``...
+    are that stage's. ``files`` holds each fetched file found; ``missing_files``
+    the requested ones that did not exist (or were not regular files), and
+    ``fetch_errors`` those that could not be read (too large, say), with why.
+    """
+
+    stage: Literal["compile", "run"] = "run"
+    compile: StageResult | None = None
+    run: StageResult | None = None
+    files: dict[str, B64Bytes] = Field(default_factory=dict)
+    missing_files: list[str] = Field(default_factory=list)
+    fetch_errors: dict[str, str] = Field(default_factory=dict)
+    worker: str = Field("", description="Id of the worker that ran the call.")
+
+
+class PoolConfig(WireModel):
+    """Bounds of one pool of fncall workers, keyed by (image, language).
+
+    ``min_workers`` are kept warm even when idle; workers are added on demand
+    up to ``max_workers``; calls wait for a free worker in a queue of at most
+    ``max_queue``, beyond which they fail with ``ResourceExhausted``.
+    ``idle_s``: a worker above the minimum idle this long is stopped, seconds.
+    """
+
+    image: str = FNCALL_IMAGE
+    language: Language = "python"
+    min_workers: int = Field(1, ge=0, le=4096)
+    max_workers: int = Field(8, ge=1, le=4096)
+    max_queue: int = Field(4096, ge=0, le=1_000_000)
+    idle_s: float = Field(60.0, gt=0, le=86400)
+
+
+class PoolInfo(WireResponse):
+    """A pool's state on one node: its bounds, workers by state and counters since start."""
+
+    node_id: str
+    image: str
+    language: Language
+    min_workers: int
+    max_workers: int
+    max_queue: int
+    idle_s: float
+    idle: int = 0
+    busy: int = 0
+    starting: int = 0
+    queued: int = 0
+    calls: int = 0
+    replaced: int = Field(0, description="Workers replaced after a failure or an unclean call.")
+    rejected: int = Field(0, description="Calls refused because the queue was full.")
+    worker_rss_mb: float | None = Field(None, description="Mean RSS of an idle worker, MiB.")
+    last_error: str | None = None
 
 
 class ErrorInfo(WireResponse):

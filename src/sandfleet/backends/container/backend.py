@@ -42,12 +42,12 @@ import resource
 import shutil
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sandfleet.backends.base import BoxHandle, SandboxSpec
+from sandfleet.backends.base import BoxHandle, BoxInit, SandboxSpec
 from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
 from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages
@@ -309,13 +309,19 @@ class ContainerBackend:
         (bundle / "rootfs").mkdir()
         # Loop devices and mounts can block for milliseconds in the kernel: off the
         # event loop, so creates in flight overlap instead of queueing behind them.
-        disk = await _settled(self.disks.make, bundle, spec.disk_mb or self._disk_max_mb)
+        disk = None
+        if spec.init is None:
+            disk = await _settled(self.disks.make, bundle, spec.disk_mb or self._disk_max_mb)
         lowers = []
         for layer in spec.layers:
             name, point = self.layers.acquire(layer)
             box.layers.append(name)
             lowers.append(str(point))
         (bundle / "sandbox.json").write_text(json.dumps({"id": spec.id, "layers": box.layers}))
+        if spec.init is not None:
+            # On a read-only root the mount points must exist below: a top layer
+            # of them (which also gives overlayfs the two lower layers it needs).
+            lowers.append(str(_mount_points(bundle / "points", spec.init)))
         # overlayfs wants the top layer first
         await _settled(self._mount_rootfs, bundle, disk, list(reversed(lowers)))
 
@@ -329,6 +335,7 @@ class ContainerBackend:
             pids_limit=spec.pids_limit,
             cgroups_path=cg_path,
             nofile=self._nofile,
+            init=spec.init,
         )
         (bundle / "config.json").write_text(json.dumps(config))
 
@@ -341,7 +348,7 @@ class ContainerBackend:
         # The loopback guard runs in its own thread while the agent starts.
         lo = asyncio.ensure_future(ensure_loopback_up_async(box.pid))
         try:
-            await self._wait_agent(sock, box.pidfd)
+            await self._wait_agent(sock, box.pidfd, spec.init.ready if spec.init else None)
         finally:
             await asyncio.wait({lo})
             lo_err = lo.exception()  # retrieved even when the agent failed first
@@ -357,11 +364,12 @@ class ContainerBackend:
         self._boxes[spec.id] = box
         return box.handle
 
-    def _mount_rootfs(self, bundle: Path, disk: Path, lowers_top_first: list[str]) -> None:
-        opts = (
-            f"lowerdir={':'.join(lowers_top_first)},"
-            f"upperdir={disk / 'upper'},workdir={disk / 'work'}"
-        )
+    def _mount_rootfs(self, bundle: Path, disk: Path | None, lowers_top_first: list[str]) -> None:
+        opts = f"lowerdir={':'.join(lowers_top_first)}"
+        if disk is None:  # read-only: no upper layer
+            mount("overlay", bundle / "rootfs", "overlay", 0, opts)
+            return
+        opts += f",upperdir={disk / 'upper'},workdir={disk / 'work'}"
         if self._overlay_volatile:
             # volatile: no syncfs on unmount; the upper layer dies with the box.
             try:
@@ -414,20 +422,26 @@ class ContainerBackend:
             os.close(pidfd)
         return os.waitstatus_to_exitcode(status)
 
-    async def _wait_agent(self, sock: Path, pidfd: int) -> None:
-        """Wait for the agent to answer; fail at once if the box's PID 1 exits."""
+    async def _wait_agent(
+        self, sock: Path, pidfd: int, probe: Callable[[Path], Awaitable[None]] | None = None
+    ) -> None:
+        """Wait for the agent (or ``probe``) to answer; fail at once if the box's PID 1 exits."""
         from sandfleet.guest.client import AgentClient
 
         loop = asyncio.get_running_loop()
         died: asyncio.Future[None] = loop.create_future()
         loop.add_reader(pidfd, _resolve, died)
-        ready = asyncio.ensure_future(AgentClient(sock).wait_ready(self.agent_timeout_s))
+        if probe is None:
+            ready = asyncio.ensure_future(AgentClient(sock).wait_ready(self.agent_timeout_s))
+        else:
+            ready = asyncio.ensure_future(asyncio.wait_for(probe(sock), self.agent_timeout_s))
         try:
             await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 ready.result()  # re-raises the client's error
                 return
-            raise Internal("the agent (PID 1 of the box) exited before answering")
+            what = "the agent" if probe is None else "PID 1"
+            raise Internal(f"{what} (PID 1 of the box) exited before answering")
         except (TimeoutError, OSError) as e:
             raise Internal(
                 f"the agent did not answer on {sock} within {self.agent_timeout_s:g} s: {e}"
@@ -624,7 +638,7 @@ class ContainerBackend:
 
     async def _sweep_cgroups(self) -> None:
         assert self.node_id is not None
-        mine = re.compile(rf"^sb-[0-9a-f]{{12}}-{re.escape(self.node_id)}$")
+        mine = re.compile(rf"^(sb|fw)-[0-9a-f]{{12}}-{re.escape(self.node_id)}$")
         names: set[str] = set()
         for parent in self.cgroups.dirs("/sandfleet"):
             with contextlib.suppress(OSError):
@@ -695,6 +709,20 @@ def _bind_agent_socket(bundle: Path) -> socket.socket:
     finally:
         os.close(dirfd)
     return listener
+
+
+def _mount_points(root: Path, init: BoxInit) -> Path:
+    """A directory tree holding the mount points ``init`` needs (files for binds)."""
+    root.mkdir()
+    for dest in init.tmpfs:
+        point = root / dest.lstrip("/")
+        point.mkdir(parents=True, exist_ok=True)
+        point.chmod(0o1777)  # runc gives a tmpfs the mode of the directory it covers
+    for dest in init.binds:
+        target = root / dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
+    return root
 
 
 def _module_available(name: str) -> bool:

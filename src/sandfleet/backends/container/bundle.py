@@ -9,9 +9,12 @@ holds CAP_SETUID and CAP_SETGID, see :data:`AGENT_CAPS` and :data:`COMMAND_CAPS`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandfleet.backends.container.seccomp import seccomp_profile
+
+if TYPE_CHECKING:
+    from sandfleet.backends.base import BoxInit
 
 __all__ = [
     "AGENT_CAPS",
@@ -81,6 +84,7 @@ def oci_config(
     pids_limit: int,
     cgroups_path: str,
     nofile: int = 1024,
+    init: BoxInit | None = None,
 ) -> dict[str, Any]:
     """The config.json object for one sandbox; the rootfs is ``<bundle>/rootfs``.
 
@@ -90,17 +94,45 @@ def oci_config(
     listens on fd :data:`AGENT_LISTEN_FD`. Does no I/O and validates nothing: the
     backend checks limits first. ``nofile`` must not exceed the caller's own
     hard RLIMIT_NOFILE: runc sets it after dropping CAP_SYS_RESOURCE.
+    With ``init`` (see :class:`~sandfleet.backends.base.BoxInit`) PID 1 is
+    ``init.args`` instead of the agent and the root is read-only.
     """
     mem_bytes = memory_mb * 1024 * 1024
     environ = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm"}
     environ.update(env)
-    caps = list(AGENT_CAPS)
+    caps = list(AGENT_CAPS) if init is None else sorted(init.caps)
+    args = [AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD), "--run-dir", AGENT_RUN_DIR]
+    own_mounts: list[dict[str, Any]] = [
+        {
+            "destination": AGENT_PATH,
+            "type": "bind",
+            "source": agent_host_path,
+            "options": ["rbind", "ro", "nosuid", "nodev"],
+        },
+        {
+            "destination": AGENT_RUN_DIR,
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "nodev", "noexec", "mode=700", "size=1m"],
+        },
+    ]
+    if init is not None:
+        args = list(init.args)
+        own_mounts = [
+            {"destination": dest, "type": "bind", "source": str(src),
+             "options": ["rbind", "ro", "nosuid", "nodev"]}
+            for dest, src in init.binds.items()
+        ] + [
+            {"destination": dest, "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777", f"size={size}m"]}
+            for dest, size in init.tmpfs.items()
+        ]  # fmt: skip
     return {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD), "--run-dir", AGENT_RUN_DIR],
+            "args": args,
             "env": [f"{k}={v}" for k, v in environ.items()],
             "cwd": "/",
             "capabilities": {
@@ -113,7 +145,7 @@ def oci_config(
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
             "noNewPrivileges": True,
         },
-        "root": {"path": "rootfs", "readonly": False},
+        "root": {"path": "rootfs", "readonly": init is not None},
         "hostname": sandbox_id[:63],
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -147,18 +179,7 @@ def oci_config(
                 "source": "sysfs",
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
-            {
-                "destination": AGENT_PATH,
-                "type": "bind",
-                "source": agent_host_path,
-                "options": ["rbind", "ro", "nosuid", "nodev"],
-            },
-            {
-                "destination": AGENT_RUN_DIR,
-                "type": "tmpfs",
-                "source": "tmpfs",
-                "options": ["nosuid", "nodev", "noexec", "mode=700", "size=1m"],
-            },
+            *own_mounts,
         ],
         "linux": {
             "namespaces": [

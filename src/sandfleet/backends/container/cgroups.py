@@ -86,6 +86,41 @@ class CgroupLayout:
                     return int(value)
         return 0
 
+    def set_memory_limit(self, rel: str, limit_bytes: int) -> None:
+        """Change the memory limit (swap equal: none) of a running cgroup.
+
+        v1 wants memory.limit_in_bytes <= memory.memsw.limit_in_bytes at every
+        step, so the order depends on the direction. Raises ``OSError`` (EBUSY
+        when usage is above a lower limit and cannot be reclaimed).
+        """
+        d = self.memory_dir(rel)
+        if d is None:
+            return
+        value = str(limit_bytes)
+        if self.mode == "v2":
+            (d / "memory.max").write_text(value)
+            return
+        mem, memsw = d / "memory.limit_in_bytes", d / "memory.memsw.limit_in_bytes"
+        has_swap = memsw.exists()
+        if has_swap and limit_bytes > int(mem.read_text()):
+            memsw.write_text(value)
+            mem.write_text(value)
+        else:
+            mem.write_text(value)
+            if has_swap:
+                memsw.write_text(value)
+
+    def memory_usage(self, rel: str) -> int:
+        """Bytes charged to the cgroup now (page cache and tmpfs included); 0 if unknown."""
+        d = self.memory_dir(rel)
+        if d is None:
+            return 0
+        name = "memory.current" if self.mode == "v2" else "memory.usage_in_bytes"
+        try:
+            return int((d / name).read_text())
+        except (OSError, ValueError):
+            return 0
+
 
 def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> CgroupLayout:
     """Read the cgroup mounts below /sys/fs/cgroup and classify the node."""
