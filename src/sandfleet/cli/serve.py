@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+import uvloop
 from fastapi import FastAPI
 
 from sandfleet.wire.models import NodeCapacity, NodeRegistration
@@ -61,7 +62,10 @@ def run_servers(apps: list[tuple[object, str, int]]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    asyncio.run(main())
+    # uvloop: about a third less CPU per request than asyncio's own loop, which
+    # matters at thousands of fncall calls per second.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
 
 
 def build_node_app(

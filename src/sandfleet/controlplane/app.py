@@ -354,7 +354,8 @@ def create_app(
             params={"stream": stream, "offset": offset, "follow": "true"},
         )
         resp = await stack.__aenter__()
-        return StreamingResponse(_lines(stack, resp, _plain_error_line, []), media_type=NDJSON)
+        lines = _lines(stack, resp, _plain_error_line, [])
+        return StreamingResponse(lines, media_type=NDJSON)
 
     @api.delete("/sandboxes/{sandbox_id}/processes/{process_id}", status_code=204)
     async def remove_process(sandbox_id: str, process_id: str, cp: CP) -> Response:
@@ -419,6 +420,15 @@ def create_app(
         body = await request.body()
         answer = await cancel_on_disconnect(request, cp.run_raw(body))
         return Response(answer, media_type="application/json")
+
+    @api.post("/run/batch")
+    async def run_batch(request: Request, cp: CP) -> StreamingResponse:
+        # Relayed line by line as the node's calls end; see RunBatchLine.
+        body = await request.body()
+        stack = cp.run_batch(body)
+        resp = await cancel_on_disconnect(request, stack.__aenter__())
+        lines = _lines(stack, resp, _plain_error_line, [])
+        return StreamingResponse(lines, media_type=NDJSON)
 
     @api.get("/pools")
     async def list_pools(cp: CP) -> dict[str, list[PoolInfo]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import posixpath
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
@@ -64,6 +65,8 @@ LANGUAGES: dict[str, Language] = {
 _COMPILED = frozenset({"c", "cpp"})
 #: The signal a memory-limit kill delivers (SIGKILL); reported as return code -9.
 _SIGKILL = 9
+#: The call's working directory, where relative file paths point (with its slash).
+WORKDIR = "/tmp/"
 #: Seconds a caller is told to wait before retrying a 503.
 _RETRY_AFTER_S = 1
 
@@ -239,11 +242,30 @@ def _notes(name: str, stage: StageResult, req: RunRequest) -> list[str]:
     return notes
 
 
+def _fetched_key(path: str) -> str:
+    """The key fncall gives a fetched ``path``: normalized, relative to ``/tmp``."""
+    norm = posixpath.normpath(path)
+    return norm[len(WORKDIR) :] if norm.startswith(WORKDIR) else norm
+
+
+def _fetched(result: RunResult, fetch_files: list[str]) -> dict[str, str]:
+    """Each fetched file by the path it was requested by (SandboxFusion's keys), base64."""
+    files = {}
+    for path in fetch_files:
+        data = result.files.get(path)
+        if data is None:
+            data = result.files.get(_fetched_key(path))
+        if data is not None:
+            files[path] = base64.b64encode(data).decode("ascii")
+    return files
+
+
 def to_response(result: RunResult, req: RunRequest) -> RunCodeResponse:
     """A fncall result as SandboxFusion's answer to the request ``req``.
 
     ``Success`` iff every stage that ran exited with code 0. Fetched files keep
-    the paths they were requested by; missing ones are left out.
+    the paths they were requested by (``/tmp/out.txt`` stays so, though fncall
+    answers it as ``out.txt``); missing ones are left out.
     """
     run: StageResult | None = result.run
     if run is None and result.compile is None:
@@ -258,7 +280,7 @@ def to_response(result: RunResult, req: RunRequest) -> RunCodeResponse:
         message="; ".join(notes),
         compile_result=command_result(result.compile) if result.compile is not None else None,
         run_result=command_result(run) if run is not None else None,
-        files={p: base64.b64encode(data).decode("ascii") for p, data in result.files.items()},
+        files=_fetched(result, req.fetch_files),
     )
 
 

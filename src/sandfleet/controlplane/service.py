@@ -365,6 +365,45 @@ class ControlPlane:
             )
         return self._fncall_cache
 
+    def _fncall_turns(self) -> builtins.list[str]:
+        """Addresses of the fncall nodes, starting with the next one in turn."""
+        nodes = self._fncall_nodes()
+        self._fncall_turn += 1
+        k = self._fncall_turn % len(nodes)
+        return [n.address for n in nodes[k:] + nodes[:k]]
+
+    @contextlib.asynccontextmanager
+    async def run_batch(self, body: bytes) -> AsyncIterator[httpx.Response]:
+        """Hand a batch of fncall calls (a :class:`RunBatchRequest` as JSON) to one node.
+
+        Yields the node's unread NDJSON answer (see :class:`RunBatchLine`). A
+        node refusing the whole batch (full, unreachable) passes it to the next.
+        """
+        try:
+            calls = json.loads(body).get("calls") or []
+            bound = max(
+                float(c.get("timeout_s", 10)) + float(c.get("compile_timeout_s", 30)) for c in calls
+            )
+        except (ValueError, TypeError, AttributeError):
+            bound = 3600.0  # malformed: the node says what is wrong
+        last: SandfleetError | None = None
+        for address in self._fncall_turns():
+            try:
+                async with self.nodes.stream(
+                    address,
+                    "POST",
+                    "/v1/run/batch",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout_s=min(bound, 7200.0) + FNCALL_MARGIN_S,
+                ) as resp:
+                    yield resp
+                    return
+            except (ResourceExhausted, Unavailable) as exc:
+                last = exc
+        assert last is not None
+        raise last
+
     async def run_raw(self, body: bytes) -> bytes:
         """Hand one fncall call (a :class:`RunRequest` as JSON) to a node; its answer's JSON.
 
@@ -378,14 +417,11 @@ class ControlPlane:
             bound = float(doc.get("timeout_s", 10)) + float(doc.get("compile_timeout_s", 30))
         except (ValueError, TypeError, AttributeError):
             bound = 3600.0  # malformed: the node says what is wrong
-        nodes = self._fncall_nodes()
-        self._fncall_turn += 1
         last: SandfleetError | None = None
-        for i in range(len(nodes)):
-            node = nodes[(self._fncall_turn + i) % len(nodes)]
+        for address in self._fncall_turns():
             try:
                 resp = await self.nodes.call(
-                    node.address,
+                    address,
                     "POST",
                     "/v1/run",
                     content=body,

@@ -310,10 +310,13 @@ def _run_python(code: str, args: list[str], env: dict[str, str]) -> int:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         status = 1
     try:
+        # As at interpreter exit: join non-daemon threads, run atexit functions.
+        # threading only if the call imported it: importing it costs a millisecond.
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
         import atexit
-        import threading
 
-        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
         atexit._run_exitfuncs()
     except BaseException:
         status = status or 1

@@ -28,6 +28,7 @@ from sandfleet.wire.models import (
     PoolConfig,
     PoolInfo,
     ProcessInfo,
+    RunBatchRequest,
     RunRequest,
     RunResult,
     SpawnRequest,
@@ -239,6 +240,38 @@ def create_node_app(
     return app
 
 
+async def _batch_lines(service: FnCallService, calls: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Run every call of a batch at once; one NDJSON line per call as it ends.
+
+    Leaving early (the caller went away) cancels the calls still running.
+    """
+    done: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def one(index: int, doc: dict[str, Any]) -> None:
+        try:
+            try:
+                req = RunRequest.model_validate(doc)
+            except ValidationError as exc:
+                raise InvalidArgument(f"call {index} of the batch is invalid: {exc}") from None
+            result = await service.run(req)
+            line = b'{"index":%d,"result":%s}\n' % (index, result.model_dump_json().encode())
+        except SandfleetError as exc:
+            line = json.dumps({"index": index, **exc.to_wire()}).encode() + b"\n"
+        except Exception as exc:  # one call's bug must not lose the others' answers
+            err = {"code": "INTERNAL", "message": f"internal error: {type(exc).__name__}: {exc}"}
+            line = json.dumps({"index": index, "error": err}).encode() + b"\n"
+        done.put_nowait(line)
+
+    tasks = [asyncio.ensure_future(one(i, doc)) for i, doc in enumerate(calls)]
+    try:
+        for _ in tasks:
+            yield await done.get()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def fncall_router(svc: NodeService, token: str | None) -> APIRouter:
     """``POST /v1/run``, ``GET/PUT /v1/pools``: the node's fncall pools.
 
@@ -261,6 +294,15 @@ def fncall_router(svc: NodeService, token: str | None) -> APIRouter:
             raise RequestValidationError(exc.errors()) from None
         result = await cancel_on_disconnect(request, pools().run(req))
         return Response(result.model_dump_json(), media_type="application/json")
+
+    @router.post("/run/batch")
+    async def run_batch(request: Request) -> StreamingResponse:
+        try:
+            batch = RunBatchRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        service = pools()
+        return StreamingResponse(_batch_lines(service, batch.calls), media_type=NDJSON)
 
     @router.get("/pools")
     async def list_pools() -> dict[str, list[PoolInfo]]:

@@ -207,6 +207,11 @@ def _none(_: bytes) -> None:
     return None
 
 
+#: For requests whose answer is read some other way (streamed lines).
+no_answer = _none
+JSON_HEADERS = _JSON
+
+
 def _raw(content: bytes) -> bytes:
     return content
 

@@ -33,6 +33,7 @@ from typing import IO, Any, TypeVar
 import httpx
 
 from sandfleet.sdk import _core
+from sandfleet.sdk._batch import RunBatcher
 from sandfleet.wire.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 from sandfleet.wire.models import (
     ExecEvent,
@@ -88,6 +89,7 @@ class AsyncClient:
         )
         self._closed = False
         self._background: set[asyncio.Future[Any]] = set()
+        self._batcher = RunBatcher(self._send, self._lines, self._keep)
 
     @property
     def url(self) -> str:
@@ -245,7 +247,10 @@ class AsyncClient:
         :data:`~sandfleet.wire.models.FNCALL_IMAGE`); ``files`` ({path: content},
         relative to the working dir /tmp) are written first, ``fetch_files``
         come back in the result's ``files``. Defaults: ``timeout_s`` 10 s,
-        ``memory_mb`` 256 MiB, ``max_output_bytes`` 1 MiB per stream.
+        ``memory_mb`` 256 MiB, ``max_output_bytes`` 1 MiB per stream. fncall
+        calls made in the same event-loop turn (``asyncio.gather``) travel
+        together as one batch request; cancelling one abandons it (it runs on
+        to its ``timeout_s``; a sandbox kind's command is killed).
 
         A sandbox kind: ``code`` is a command (a list runs as is, a str through
         ``/bin/sh -c``) run in a fresh sandbox — create, exec, destroy — with
@@ -266,7 +271,7 @@ class AsyncClient:
         """
         timeout_s, memory_mb = _core.run_defaults(kind, timeout_s, memory_mb)
         if kind == "fncall":
-            return await self._send(
+            return await self._batcher.run(
                 _core.fncall_request(
                     code,
                     language=language,

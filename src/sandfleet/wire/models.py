@@ -19,6 +19,7 @@ __all__ = [
     "FNCALL_IMAGE",
     "KINDS",
     "LANGUAGES",
+    "RUN_BATCH_MAX",
     "B64Bytes",
     "CreateSandboxRequest",
     "ErrorInfo",
@@ -44,6 +45,8 @@ __all__ = [
     "PoolInfo",
     "ProcessInfo",
     "ProcessState",
+    "RunBatchLine",
+    "RunBatchRequest",
     "RunRequest",
     "RunResult",
     "SandboxInfo",
@@ -321,6 +324,33 @@ class RunRequest(WireModel):
         le=64 * 1024 * 1024,
         description="Cap on captured stdout and stderr each, bytes (head and tail kept).",
     )
+
+
+class RunBatchRequest(WireModel):
+    """Many fncall calls in one request (``POST /v1/run/batch``).
+
+    Each element is a :class:`RunRequest`, validated on its own, so one bad
+    call fails alone. At most :data:`RUN_BATCH_MAX` calls.
+    """
+
+    calls: list[dict[str, Any]] = Field(max_length=4096)
+
+
+#: Most calls one batch may carry.
+RUN_BATCH_MAX = 4096
+
+
+class RunBatchLine(WireResponse):
+    """One line of a batch's NDJSON answer, sent as each call ends (in any order).
+
+    ``index`` is the call's position in the batch; exactly one of ``result``
+    and ``error`` is set. A line with ``error`` and no ``index`` ends the
+    answer early: every call not answered yet failed with it.
+    """
+
+    index: int | None = None
+    result: RunResult | None = None
+    error: ErrorInfo | None = None
 
 
 class StageResult(ExecResult):
