@@ -21,6 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sandfleet.controlplane import fusion
 from sandfleet.controlplane.service import ControlPlane
 from sandfleet.controlplane.store import SqlStore
 from sandfleet.wire.errors import InvalidArgument, SandfleetError, Unavailable
@@ -42,7 +43,12 @@ from sandfleet.wire.models import (
     SandboxInfo,
     SpawnRequest,
 )
-from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
+from sandfleet.wire.server import (
+    cancel_on_disconnect,
+    install_error_handlers,
+    path_token_checker,
+    token_checker,
+)
 
 __all__ = ["create_app"]
 
@@ -440,4 +446,12 @@ def create_app(
 
     app.include_router(nodes_api)
     app.include_router(api)
+    # SandboxFusion's clients (verl's among them) send no headers: with an API
+    # token they use the URL http://<host>/token/<token>/run_code instead.
+    app.include_router(fusion.router, dependencies=[Depends(token_checker(api_token))])
+    app.include_router(
+        fusion.router,
+        prefix="/token/{token}",
+        dependencies=[Depends(path_token_checker(api_token))],
+    )
     return app

@@ -17,8 +17,9 @@ How SandboxFusion reports outcomes, and so how this route does:
   ``SandboxError`` (still HTTP 200) when the call could not be run: an
   unsupported language, an invalid path or base64 file, an unknown image.
   Its client raises on ``SandboxError``.
-- Capacity problems (a full queue, an unreachable node) answer HTTP 503 with
-  sandfleet's error body: SandboxFusion's client retries any non-200 answer.
+- Retryable sandfleet errors (a full queue, an unreachable or silent node)
+  answer HTTP 503 with sandfleet's error body and ``Retry-After``:
+  SandboxFusion's client retries any non-200 answer.
 - A request of the wrong shape (a field of the wrong type) is refused by the
   app's validation handler in sandfleet's error format, before the route runs.
 """
@@ -63,6 +64,8 @@ LANGUAGES: dict[str, Language] = {
 }
 #: Languages that have a compile stage (whose ``compile_timeout`` applies).
 _COMPILED = frozenset({"c", "cpp"})
+#: Memory limit of a call that names none (``memory_limit_MB`` -1), MiB.
+DEFAULT_MEMORY_MB = 1024
 #: The signal a memory-limit kill delivers (SIGKILL); reported as return code -9.
 _SIGKILL = 9
 #: The call's working directory, where relative file paths point (with its slash).
@@ -183,8 +186,9 @@ def to_run_request(req: RunCodeRequest) -> RunRequest:
     # (even 0) means nothing and must not fail its call.
     if language in _COMPILED:
         fields["compile_timeout_s"] = req.compile_timeout
-    if req.memory_limit_MB > 0:
-        fields["memory_mb"] = req.memory_limit_MB
+    # SandboxFusion's own runner is not this strict: programs written against it
+    # may need more than fncall's 256 MiB default.
+    fields["memory_mb"] = req.memory_limit_MB if req.memory_limit_MB > 0 else DEFAULT_MEMORY_MB
     try:
         return RunRequest.model_validate(fields)
     except ValidationError as exc:

@@ -50,6 +50,10 @@ TMPFS_MB = {"/tmp": 1024}
 #: Seconds a call's answer may take beyond its own time limits before the
 #: worker is deemed hung and replaced.
 HANG_MARGIN_S = 10.0
+#: Outcomes after which a worker is replaced rather than reused.
+RECYCLE_ON = ("timeout", "oom")
+#: Calls a worker serves before it is replaced, to bound any slow drift of the zygote.
+WORKER_MAX_CALLS = 10_000
 #: Memory limit a worker starts with, MiB (the zygote needs about 20).
 START_MEMORY_MB = 128
 _MAINTAIN_EVERY_S = 1.0
@@ -248,10 +252,17 @@ class FnCallService:
             if "error" in answer:
                 healthy = True
                 raise FailedPrecondition(f"the worker refused the call: {answer['error']}")
-            result = self._result(answer, worker)
-            healthy = True
+            result = self._result(answer, worker, req.fetch_files)
             pool.calls += 1
             worker.calls += 1
+            # The zygote has already killed and wiped what the call left, but a
+            # call that ran out of time or memory may have strained what no scrub
+            # reaches (the cgroup's reclaim, the kernel's caches): a fresh worker
+            # takes the next call. So does one that has served its share.
+            strained = any(
+                s is not None and s.status in RECYCLE_ON for s in (result.compile, result.run)
+            )
+            healthy = not strained and worker.calls < WORKER_MAX_CALLS
             return result
         finally:
             pool.release(worker, healthy)
@@ -273,7 +284,7 @@ class FnCallService:
         worker.ooms = now
         return rose
 
-    def _result(self, answer: dict[str, Any], worker: Worker) -> RunResult:
+    def _result(self, answer: dict[str, Any], worker: Worker, fetch_files: list[str]) -> RunResult:
         stages: dict[str, StageResult | None] = {}
         for name in ("compile", "run"):
             doc = answer.get(name)
@@ -294,11 +305,28 @@ class FnCallService:
             stage=last_name,
             compile=stages["compile"],
             run=stages["run"],
-            files=answer.get("files") or {},
-            missing_files=answer.get("missing_files") or [],
-            fetch_errors=answer.get("fetch_errors") or {},
+            **_as_requested(answer, fetch_files),
             worker=worker.id,
         )
+
+
+def _as_requested(answer: dict[str, Any], fetch_files: list[str]) -> dict[str, Any]:
+    """The worker's fetch results keyed by the paths as the caller wrote them."""
+    files, missing, errors = (
+        answer.get("files") or {},
+        answer.get("missing_files") or [],
+        (answer.get("fetch_errors") or {}),
+    )
+    out: dict[str, Any] = {"files": {}, "missing_files": [], "fetch_errors": {}}
+    for path in fetch_files:
+        key = _relative(path, "fetch_files")
+        if key in files:
+            out["files"][path] = files[key]
+        elif key in errors:
+            out["fetch_errors"][path] = errors[key]
+        elif key in missing:
+            out["missing_files"].append(path)
+    return out
 
 
 def _oom_result(worker_id: str) -> RunResult:
@@ -318,7 +346,11 @@ def _relative(path: str, what: str) -> str:
             )
         return norm[len("/tmp/") :]
     norm = posixpath.normpath(path)
-    if norm == "." or norm == ".." or norm.startswith("../"):
+    if norm == ".":
+        raise InvalidArgument(
+            f"{what} path {path!r} is the call's working directory itself: name a file in it"
+        )
+    if norm == ".." or norm.startswith("../"):
         raise InvalidArgument(
             f"{what} path {path!r} leaves the call's working directory: drop the '..'"
         )

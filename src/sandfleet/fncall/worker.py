@@ -222,39 +222,47 @@ def _remove_ipc() -> None:
 # ---------------------------------------------------------------------- the child
 
 
-def _child(call: dict[str, Any], stage: Stage, stdin_fd: int, out_w: int, err_w: int) -> None:
-    """In the forked child: become the call's unprivileged process and run ``stage``."""
+def _become_caller(out_w: int, err_w: int, keep: int | None = None) -> None:
+    """What every call's process does first, whatever the call: stdout/stderr on
+    the pipes, a session of its own, default signals, first in line for the OOM
+    killer, the unprivileged user, the working directory. Only ``keep`` (moved
+    to fd 3) survives of the other fds."""
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    if keep is not None:
+        os.dup2(keep, 3)
+    os.closerange(3 if keep is None else 4, 65536)
+    os.setsid()
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # the OOM killer takes the call, never PID 1 (-1000, set by the node)
+    os.setgroups([])
+    os.setresgid(CALL_GID, CALL_GID, CALL_GID)
+    os.setresuid(CALL_UID, CALL_UID, CALL_UID)
+    os.umask(0o022)
+    os.chdir(WORKDIR)
+
+
+def _run(call: dict[str, Any], stage: Stage, stdin: bytes, first: bool) -> None:
+    """The call's own part, after :func:`_become_caller`; never returns.
+
+    The first stage of a call also writes the call's files, as the call's user.
+    """
     code = 1
     try:
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.closerange(3, 65536)
-        os.setsid()
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        try:
-            # The OOM killer takes the call, never PID 1 (set to -1000 by the node).
-            with open("/proc/self/oom_score_adj", "w") as fh:
-                fh.write("1000")
-        except OSError:
-            pass
-        os.setgroups([])
-        os.setresgid(CALL_GID, CALL_GID, CALL_GID)
-        os.setresuid(CALL_UID, CALL_UID, CALL_UID)
-        os.umask(0o022)
-        os.chdir(WORKDIR)
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": WORKDIR,
-            "LANG": "C.UTF-8",
-            "TMPDIR": WORKDIR,
-        }
+        fd = os.memfd_create("stdin")
+        if stdin:
+            os.write(fd, stdin)
+            os.lseek(fd, 0, os.SEEK_SET)
+        os.dup2(fd, 0)
+        os.close(fd)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8"}
+        env["TMPDIR"] = WORKDIR
         env.update(call.get("env") or {})
-        if stage == "setup":
+        if first:
             _write_files(call.get("files") or {})
-            code = 0
-        elif stage == "python":
+        if stage == "python":
             code = _run_python(call["code"], call.get("args") or [], env)
         else:
             os.execvpe(stage[0], stage, env)
@@ -263,8 +271,34 @@ def _child(call: dict[str, Any], stage: Stage, stdin_fd: int, out_w: int, err_w:
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.write(2, f"sandfleet: {type(e).__name__}: {e}\n".encode())
-        code = 127 if isinstance(e, OSError) and stage not in ("setup", "python") else 1
+        code = 127 if isinstance(e, FileNotFoundError) and stage != "python" else 1
     os._exit(code & 0xFF)
+
+
+def _warm_up() -> None:
+    """Touch, before the call comes, what every call touches: after a fork each first
+    write to a page of the zygote's memory copies it (a page fault, microseconds
+    each here), and Python writes reference counts everywhere it reads."""
+    json.loads(json.dumps({"call": {"code": "", "args": [], "env": {}}, "stdin": ""}))
+    scratch = type(sys)("__main__")
+    exec(compile("x = [str(i) for i in range(3)]\nprint", "<string>", "exec"), scratch.__dict__)
+    io.TextIOWrapper(io.BufferedWriter(io.FileIO(os.open(os.devnull, os.O_WRONLY), "w")))
+    base64.b64decode(_b64(b"warm"))
+
+
+def _spare(out_w: int, err_w: int, ctl_r: int) -> None:
+    """A call's process forked ahead of the call; waits on fd 3 for it. Never returns."""
+    try:
+        _become_caller(out_w, err_w, keep=ctl_r)
+        _warm_up()
+        with io.FileIO(3, "r") as ctl:
+            message = ctl.readall()
+        if not message:
+            os._exit(0)  # retired unused
+        order = json.loads(message)
+    except BaseException:
+        os._exit(1)
+    _run(order["call"], order["stage"], base64.b64decode(order["stdin"]), first=True)
 
 
 def _write_files(files: dict[str, str]) -> None:
@@ -343,6 +377,8 @@ def _exit_status(code: object) -> int:
 
 class Zygote:
     def __init__(self) -> None:
+        #: (pid, fd to send it the call, stdout and stderr read ends) of the spare.
+        self.spare: tuple[int, int, int, int] | None = None
         self.languages = ["python", "bash"] if shutil.which("bash") else ["python"]
         self.languages += [lang for lang, (cc, _, _) in COMPILERS.items() if shutil.which(cc)]
 
@@ -351,19 +387,23 @@ class Zygote:
             conn, _ = listener.accept()
             try:
                 send_frame(conn, {"hello": {"languages": self.languages, "pid": os.getpid()}})
+                self._fork_spare()
                 while True:
                     call = recv_frame(conn)
                     if call is None:
                         break
                     send_frame(conn, self.handle(call))
-                    # Answered first: the scrub overlaps the answer's way back.
+                    # Answered first: the scrub, and forking the next call's
+                    # process, overlap the answer's way back.
                     kill_all()
                     scrub()
+                    self._fork_spare()
             except (OSError, ValueError):
                 pass
             finally:
                 conn.close()
                 kill_all()
+                self.spare = None
                 scrub()
 
     def handle(self, call: dict[str, Any]) -> dict[str, Any]:
@@ -387,20 +427,15 @@ class Zygote:
             # Written by the call's own user, like its files: never by root into /tmp.
             call["files"] = dict(call.get("files") or {})
             call["files"][COMPILERS[language][1]] = _b64(call["code"].encode())
-        if call.get("files"):
-            setup = self.stage(call, "setup", b"", 10.0, cap)
-            if setup["status"] != "exited" or setup["exit_code"] != 0:
-                answer["run"] = setup  # why writing the files failed is on its stderr
-                return answer
         if language == "python":
-            answer["run"] = self.stage(call, "python", stdin, timeout, cap)
+            answer["run"] = self.stage(call, "python", stdin, timeout, cap, first=True)
         elif language == "bash":
             argv = ["bash", "-c", call["code"], "bash", *args]
-            answer["run"] = self.stage(call, argv, stdin, timeout, cap)
+            answer["run"] = self.stage(call, argv, stdin, timeout, cap, first=True)
         else:
             cc, _, cc_args = COMPILERS[language]
             compile_timeout = float(call.get("compile_timeout_s", 30))
-            built = self.stage(call, [cc, *cc_args], b"", compile_timeout, cap)
+            built = self.stage(call, [cc, *cc_args], b"", compile_timeout, cap, first=True)
             answer["compile"] = built
             if built["status"] != "exited" or built["exit_code"] != 0:
                 return answer
@@ -412,29 +447,61 @@ class Zygote:
         return answer
 
     def stage(
-        self, call: dict[str, Any], stage: Stage, stdin: bytes, timeout_s: float, cap: int
+        self,
+        call: dict[str, Any],
+        stage: Stage,
+        stdin: bytes,
+        timeout_s: float,
+        cap: int,
+        first: bool = False,
     ) -> dict[str, Any]:
-        """Fork the call's process for ``stage`` and wait for it under ``timeout_s``."""
-        stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            if stdin:
-                os.write(stdin_fd, stdin)
-                os.lseek(stdin_fd, 0, os.SEEK_SET)
-            started = time.monotonic()
-            pid = os.fork()
-            if pid == 0:
-                _child(call, stage, stdin_fd, out_w, err_w)
-        finally:
-            os.close(stdin_fd)
-            os.close(out_w)
-            os.close(err_w)
+        """Run ``stage`` of ``call`` in a process of its own and wait for it under ``timeout_s``.
+
+        A call's first stage goes to the spare forked ahead of time, if there is one.
+        """
+        spare, self.spare = (self.spare, None) if first else (None, self.spare)
+        started = time.monotonic()
+        if spare is not None:
+            pid, ctl_w, out_r, err_r = spare
+            order = {"call": call, "stage": stage, "stdin": _b64(stdin)}
+            try:
+                with io.FileIO(ctl_w, "w") as ctl:  # closing it tells the spare: go
+                    ctl.write(json.dumps(order, separators=(",", ":")).encode())
+            except OSError:  # the spare is gone: fork as usual
+                spare = None
+                kill_all()
+                os.close(out_r)
+                os.close(err_r)
+        if spare is None:
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    _become_caller(out_w, err_w)
+                    _run(call, stage, stdin, first)
+            finally:
+                os.close(out_w)
+                os.close(err_w)
         try:
             return self._wait(pid, started, timeout_s, out_r, err_r, cap)
         finally:
             os.close(out_r)
             os.close(err_r)
+
+    def _fork_spare(self) -> None:
+        """Fork the next call's process now, while no call waits for it."""
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _spare(out_w, err_w, ctl_r)
+        finally:
+            for fd in (out_w, err_w, ctl_r):
+                os.close(fd)
+        self.spare = (pid, ctl_w, out_r, err_r)
 
     def _wait(
         self, pid: int, started: float, timeout_s: float, out_r: int, err_r: int, cap: int

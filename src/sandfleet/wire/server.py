@@ -85,6 +85,20 @@ def token_checker(token: str | None) -> Callable[[Request], Coroutine[Any, Any, 
     return check
 
 
+def path_token_checker(token: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
+    """Like :func:`token_checker`, for clients that cannot send headers: the token is
+    the ``{token}`` path parameter. With no token configured, any value passes."""
+
+    async def check(request: Request) -> None:
+        if token is None:
+            return
+        got = str(request.path_params.get("token", ""))
+        if not hmac.compare_digest(got.encode(), token.encode()):
+            raise Unauthenticated("wrong token in the URL: use /token/<the API token>/...")
+
+    return check
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it if the HTTP client goes away first.
 
