@@ -534,7 +534,29 @@ def test_context_managers_destroy(server: Server) -> None:
     assert server.state.deleted == [sb.id, sandbox_id]
 
 
-@pytest.mark.parametrize("kind", sorted({*KINDS, "bogus"} - set(BUILT_KINDS)))
+def test_fncall_arguments_checked_before_any_request(closed_url: str, flavor: str) -> None:
+    async def run() -> None:
+        client = make_client(flavor, closed_url)  # any request would raise Unavailable
+        with pytest.raises(E.InvalidArgument, match=r"no sandboxes.*client.run"):
+            await aw(client.create(kind="fncall", image="img"))
+        with pytest.raises(E.InvalidArgument, match="language"):
+            await aw(client.run("1", kind="fncall", language="cobol"))
+        with pytest.raises(E.InvalidArgument, match="language='bash' only"):
+            await aw(client.run(["echo", "1"], kind="fncall"))
+        with pytest.raises(E.InvalidArgument, match="timeout_s"):
+            await aw(client.run("1", kind="fncall", timeout_s=-1))
+        with pytest.raises(E.InvalidArgument, match="kind='fncall' only"):
+            await aw(client.run("true", image="img", files={"a": b""}))
+        with pytest.raises(E.InvalidArgument, match="needs an image"):
+            await aw(client.run("true"))
+        with pytest.raises(E.InvalidArgument, match="min_workers"):
+            await aw(client.configure_pool(min_workers=-1))
+        await aw(client.close())
+
+    scenario(run)
+
+
+@pytest.mark.parametrize("kind", sorted({*KINDS, "bogus"} - {*BUILT_KINDS, "fncall"}))
 def test_unavailable_kind_rejected_before_any_request(
     closed_url: str, flavor: str, kind: str
 ) -> None:

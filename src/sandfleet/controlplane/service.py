@@ -64,6 +64,11 @@ FNCALL_MARGIN_S = 15.0
 
 def validate_create(req: CreateSandboxRequest) -> None:
     """Raise InvalidArgument naming the field and the allowed range."""
+    if req.kind == "fncall":
+        raise InvalidArgument(
+            "kind 'fncall' has no sandboxes to create: its calls are stateless, use"
+            " POST /v1/run (client.run(code, kind='fncall'))"
+        )
     if req.kind not in BUILT_KINDS:
         raise InvalidArgument(
             f"kind {req.kind!r} is not available in this release; available kinds:"

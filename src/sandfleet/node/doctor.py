@@ -169,9 +169,11 @@ def kinds_offered(checks: list[Check]) -> dict[str, str]:
         + ("; qemu present" if ok.get("qemu") else "; qemu missing")
         + ("; KVM creates VMs" if ok.get("KVM") else "; no KVM: TCG emulation")
     )
+    container = "available" if not missing else f"unavailable: {', '.join(missing)} failed"
     return {
-        "container": "available" if not missing else f"unavailable: {', '.join(missing)} failed",
-        "fncall": "not built in this release",
+        "container": container,
+        # fncall workers are container boxes whose PID 1 is the image's python3.
+        "fncall": container + (" (images need python3 >= 3.9)" if not missing else ""),
         "microvm": vm_note,
         "vm": vm_note,
     }

@@ -248,6 +248,11 @@ def check_kind(kind: str) -> None:
     if kind in BUILT_KINDS:
         return
     available = ", ".join(repr(k) for k in BUILT_KINDS)
+    if kind == "fncall":
+        raise InvalidArgument(
+            "kind 'fncall' has no sandboxes to create: its calls are stateless, use"
+            f" client.run(code, kind='fncall'); sandbox kinds available: {available}"
+        )
     if kind in KINDS:
         raise InvalidArgument(
             f"kind {kind!r} is not built in this release; kinds available: {available}"
