@@ -70,7 +70,8 @@ class Pool:
         self.rejected = 0
         self.last_error: str | None = None
         self.rss_mb: float | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._starts: set[asyncio.Future[None]] = set()
         self._closed = False
 
     @property
@@ -157,7 +158,7 @@ class Pool:
         wanted = max(self.config.min_workers - self.size, len(self.waiters) - self.starting)
         for _ in range(min(wanted, self.config.max_workers - self.size)):
             self.starting += 1
-            self._spawn(self._start_one())
+            self._starts.add(self._spawn(self._start_one()))
 
     async def _start_one(self) -> None:
         try:
@@ -206,6 +207,8 @@ class Pool:
             fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_exception(Unavailable("the fncall pool is shutting down: retry"))
+        for task in self._starts:
+            task.cancel()  # the backend undoes a create cut short
         workers = [*self.idle, *self.busy]
         self.idle.clear()
         self.busy.clear()
@@ -219,7 +222,9 @@ class Pool:
         except Exception:
             log.exception("stopping worker %s failed", worker.id)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
+        for tasks in (self._tasks, self._starts):
+            task.add_done_callback(tasks.discard)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return task
