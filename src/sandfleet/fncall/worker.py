@@ -207,16 +207,26 @@ def _remove_ipc() -> None:
         found += [(kind, int(line.split()[1])) for line in lines if line.strip()]
     if not found:
         return
-    import ctypes
+    # IPC_RMID takes the owner's uid (or CAP_SYS_ADMIN, which PID 1 lacks): the
+    # objects are the calls' user's, so a child of that user removes them.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    for kind, ipc_id in found:
-        if kind == "shm":
-            libc.shmctl(ipc_id, _IPC_RMID, None)
-        elif kind == "sem":
-            libc.semctl(ipc_id, 0, _IPC_RMID)
-        else:
-            libc.msgctl(ipc_id, _IPC_RMID, None)
+            os.setresgid(CALL_GID, CALL_GID, CALL_GID)
+            os.setresuid(CALL_UID, CALL_UID, CALL_UID)
+            libc = ctypes.CDLL(None, use_errno=True)
+            for kind, ipc_id in found:
+                if kind == "shm":
+                    libc.shmctl(ipc_id, _IPC_RMID, None)
+                elif kind == "sem":
+                    libc.semctl(ipc_id, 0, _IPC_RMID)
+                else:
+                    libc.msgctl(ipc_id, _IPC_RMID, None)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 # ---------------------------------------------------------------------- the child
@@ -233,8 +243,6 @@ def _become_caller(out_w: int, err_w: int, keep: int | None = None) -> None:
         os.dup2(keep, 3)
     os.closerange(3 if keep is None else 4, 65536)
     os.setsid()
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:
         fh.write("1000")  # the OOM killer takes the call, never PID 1 (-1000, set by the node)
     os.setgroups([])
@@ -263,8 +271,13 @@ def _run(call: dict[str, Any], stage: Stage, stdin: bytes, first: bool) -> None:
         if first:
             _write_files(call.get("files") or {})
         if stage == "python":
+            # Signals stay as the interpreter set them up (SIGPIPE ignored, SIGINT
+            # raising KeyboardInterrupt), as for python3 -c.
             code = _run_python(call["code"], call.get("args") or [], env)
         else:
+            # What the interpreter ignores, a program started by exec must not.
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
             os.execvpe(stage[0], stage, env)
     except SystemExit as e:  # from _run_python's own handling
         code = e.code if isinstance(e.code, int) else 1
@@ -317,11 +330,17 @@ def _run_python(code: str, args: list[str], env: dict[str, str]) -> int:
     os.environ.update(env)
     sys.argv = ["-c", *args]
     sys.path.insert(0, "")
+    # As python3 -c sets them up under a UTF-8 locale (surrogateescape: bytes
+    # that are not UTF-8 pass through stdin to stdout unchanged).
     sys.stdin = io.TextIOWrapper(
-        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8"
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+        encoding="utf-8",
+        errors="surrogateescape",
     )
     sys.stdout = io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8"
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+        encoding="utf-8",
+        errors="surrogateescape",
     )
     sys.stderr = io.TextIOWrapper(
         io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
@@ -342,7 +361,7 @@ def _run_python(code: str, args: list[str], env: dict[str, str]) -> int:
         tb = exc.__traceback__
         exc = exc.with_traceback(tb.tb_next if tb is not None else None)
         sys.excepthook(type(exc), exc, exc.__traceback__)
-        status = 1
+        status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     try:
         # As at interpreter exit: join non-daemon threads, run atexit functions.
         # threading only if the call imported it: importing it costs a millisecond.
@@ -356,9 +375,14 @@ def _run_python(code: str, args: list[str], env: dict[str, str]) -> int:
         status = status or 1
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if not stream.closed:
+                stream.flush()
         except BaseException:
             status = status or 120  # as CPython does when flushing stdout fails
+    if status == -signal.SIGINT:
+        # An uncaught KeyboardInterrupt ends CPython by SIGINT, which shells see as 130.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return status
 
 
