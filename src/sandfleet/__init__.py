@@ -8,6 +8,7 @@ from sandfleet.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 from sandfleet.wire.errors import (
     AlreadyExists,
     DeadlineExceeded,
+    Diverged,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncSandbox",
     "Client",
     "DeadlineExceeded",
+    "Diverged",
     "ExecResult",
     "FailedPrecondition",
     "FileEntry",

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 __all__ = [
     "AlreadyExists",
     "DeadlineExceeded",
+    "Diverged",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
@@ -117,6 +118,17 @@ class Unauthenticated(SandfleetError):
     http_status = 401
 
 
+class Diverged(SandfleetError):
+    """A re-issued call differs from the one the trajectory log holds at its step.
+
+    Raised while fast-forwarding a sandbox's log (``resume_from_log``): the
+    message names the step and what the log holds there. Nothing was run.
+    """
+
+    code = "DIVERGED"
+    http_status = 409
+
+
 _BY_CODE: dict[str, type[SandfleetError]] = {
     cls.code: cls
     for cls in (
@@ -130,6 +142,7 @@ _BY_CODE: dict[str, type[SandfleetError]] = {
         DeadlineExceeded,
         PermissionDenied,
         Unauthenticated,
+        Diverged,
     )
 }
 

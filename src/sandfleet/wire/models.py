@@ -19,7 +19,10 @@ __all__ = [
     "FNCALL_IMAGE",
     "KINDS",
     "LANGUAGES",
+    "REPLAYED_HEADER",
     "RUN_BATCH_MAX",
+    "SNAPSHOT_EXCLUDE",
+    "STEP_HEADER",
     "B64Bytes",
     "CreateSandboxRequest",
     "ErrorInfo",
@@ -29,12 +32,16 @@ __all__ = [
     "ExecResult",
     "ExecStatus",
     "FileEntry",
+    "GroupRequest",
+    "GroupResult",
     "ImageConfig",
     "ImageManifest",
     "Kind",
     "Language",
     "LayerDescriptor",
     "LayerKind",
+    "LifetimeRequest",
+    "LogEntry",
     "NodeCapacity",
     "NodeCreateRequest",
     "NodeHeartbeat",
@@ -51,6 +58,7 @@ __all__ = [
     "RunResult",
     "SandboxInfo",
     "SandboxState",
+    "SnapshotRequest",
     "SpawnRequest",
     "StageResult",
     "WireModel",
@@ -71,7 +79,7 @@ FNCALL_IMAGE = "sandfleet/fncall:1"
 ExecStatus = Literal["exited", "signaled", "timeout", "oom"]
 ProcessState = Literal["running", "exited", "signaled", "killed", "timeout"]
 ExecEventType = Literal["stdout", "stderr", "result", "error"]
-SandboxState = Literal["creating", "running", "destroying", "destroyed", "failed"]
+SandboxState = Literal["creating", "running", "paused", "destroying", "destroyed", "failed"]
 LayerKind = Literal["base", "toolkit", "workspace", "diff"]
 
 
@@ -130,6 +138,9 @@ class CreateSandboxRequest(WireModel):
         4096, description="Size limit of the writable layer in MiB (16-1048576); ENOSPC beyond."
     )
     ttl_s: float | None = Field(3600.0, description="Hard lifetime in seconds; None = no TTL.")
+    idle_ttl_s: float | None = Field(
+        None, description="Reclaimed after this many seconds without a call; None = never."
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every exec.")
 
@@ -156,6 +167,80 @@ class SandboxInfo(WireResponse):
     labels: dict[str, str] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
     expires_at: float | None = Field(None, description="Unix time the TTL ends, seconds.")
+    idle_ttl_s: float | None = None
+    last_active_at: float | None = Field(None, description="Unix time of the last call, seconds.")
+
+
+class LifetimeRequest(WireModel):
+    """New lifetimes of a running sandbox (``POST /v1/sandboxes/{id}/lifetime``).
+
+    ``ttl_s``: the hard TTL now ends this many seconds from now (None: no hard
+    TTL); ``idle_ttl_s``: the idle TTL (None: none). Fields left out are kept.
+    """
+
+    ttl_s: float | None = None
+    idle_ttl_s: float | None = None
+
+
+class GroupRequest(WireModel):
+    """A group of sandboxes by labels (every label must match), e.g. one RL job's."""
+
+    labels: dict[str, str] = Field(min_length=1)
+
+
+class GroupResult(WireResponse):
+    """What a group operation did: ids it acted on, and ids it could not, with why."""
+
+    sandboxes: list[str] = Field(default_factory=list)
+    failed: dict[str, ErrorInfo] = Field(default_factory=dict)
+
+
+class SnapshotRequest(WireModel):
+    """Pack a sandbox's writable layer into a new ``diff`` layer and an image over it.
+
+    ``image``: ``name:tag`` of the new image (default ``snapshot/<sandbox id>:<n>``).
+    ``exclude``: glob patterns of paths left out (caches, build debris); None
+    takes :data:`SNAPSHOT_EXCLUDE`.
+    """
+
+    image: str | None = None
+    exclude: list[str] | None = None
+
+
+#: Paths a snapshot leaves out unless told otherwise: caches and debris that a
+#: copy of the sandbox does not need.
+SNAPSHOT_EXCLUDE = [
+    "/tmp/*",
+    "/var/tmp/*",
+    "/var/cache/apt/*",
+    "/root/.cache/*",
+    "**/__pycache__",
+    "**/.pytest_cache",
+]
+
+
+#: Request header carrying a call's step number in its sandbox's trajectory log.
+STEP_HEADER = "sandfleet-step"
+#: Answer header set to "1" when the answer came from the log, not from running the call.
+REPLAYED_HEADER = "sandfleet-replayed"
+
+
+class LogEntry(WireResponse):
+    """One call in a sandbox's trajectory log.
+
+    ``step`` is the caller's step number (0, 1, ...); ``op`` the call (``exec``,
+    ``write``, ``remove``, ``mkdir``, ``spawn``, ...); ``digest`` the sha256 of
+    the canonical request, which a re-issued call must match; ``request`` and
+    ``result`` are bounded copies (large outputs are cut, with a note).
+    ``at`` is Unix time, seconds.
+    """
+
+    step: int
+    op: str
+    digest: str
+    request: dict[str, Any] = Field(default_factory=dict)
+    result: dict[str, Any] = Field(default_factory=dict)
+    at: float = 0.0
 
 
 # --------------------------------------------------------------------------- exec
@@ -273,6 +358,7 @@ class ExecResult(WireResponse):
     stdout_dropped: int = Field(0, description="Bytes of stdout dropped by the output cap.")
     stderr_dropped: int = Field(0, description="Bytes of stderr dropped by the output cap.")
     duration_s: float = 0.0
+    replayed: bool = Field(False, description="Taken from the trajectory log, not run again.")
 
     @property
     def ok(self) -> bool:
