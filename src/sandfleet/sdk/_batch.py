@@ -22,6 +22,11 @@ __all__ = ["RunBatcher"]
 
 #: Calls per batch request; more in one turn leave as several batches.
 BATCH_CALLS = 256
+#: Requests in flight before new calls wait to leave together (under load, calls
+#: that finish one by one would otherwise each start a request of their own) ...
+MAX_IN_FLIGHT = 4
+#: ... but never longer than this, seconds: a slow call holding a slot must not hold others.
+LINGER_S = 0.002
 
 _Pending = tuple[_core.Request[RunResult], "asyncio.Future[RunResult]"]
 
@@ -43,22 +48,46 @@ class RunBatcher:
         self._lines = lines
         self._keep = keep
         self._pending: list[_Pending] = []
+        self._in_flight = 0
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
 
     async def run(self, request: _core.Request[RunResult]) -> RunResult:
         """The call's result. Cancelling the caller abandons the call (it runs to its end)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[RunResult] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)
         self._pending.append((request, fut))
+        if not self._scheduled:
+            self._scheduled = True
+            if self._in_flight < MAX_IN_FLIGHT:
+                loop.call_soon(self._flush)
+            else:
+                self._timer = loop.call_later(LINGER_S, self._flush)
         return await fut
 
     def _flush(self) -> None:
+        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), BATCH_CALLS):
             chunk = pending[i : i + BATCH_CALLS]
             work = self._one(*chunk[0]) if len(chunk) == 1 else self._many(chunk)
-            self._keep(asyncio.ensure_future(work))
+            self._in_flight += 1
+            task = asyncio.ensure_future(work)
+            task.add_done_callback(self._request_done)
+            self._keep(task)
+
+    def _request_done(self, _: asyncio.Future[None]) -> None:
+        self._in_flight -= 1
+        if self._pending and (not self._scheduled or self._timer is not None):
+            # Calls that waited for a slot leave now, together.
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def _one(self, request: _core.Request[RunResult], fut: asyncio.Future[RunResult]) -> None:
         try:
