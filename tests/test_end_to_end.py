@@ -150,6 +150,9 @@ def test_openapi_is_published_and_versioned(deployment: LocalDeployment) -> None
         "/v1/sandboxes/{sandbox_id}",
         "/v1/sandboxes/{sandbox_id}/exec",
     } <= paths
-    assert all(p.startswith(("/v1/", "/healthz", "/metrics")) for p in paths)
+    # Versioned, apart from the SandboxFusion-compatible endpoint, whose path is its protocol's.
+    fusion = {"/run_code", "/token/{token}/run_code"}
+    assert fusion <= paths
+    assert all(p.startswith(("/v1/", "/healthz", "/metrics")) for p in paths - fusion)
     metrics = httpx.get(f"{deployment.url}/metrics").text
     assert "sandfleet_sandboxes_created" in metrics

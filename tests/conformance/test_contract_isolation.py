@@ -220,7 +220,8 @@ def test_no_descriptor_or_secret_of_the_node_reaches_a_command(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
     """K10: a command has only fds 0-2 (no agent socket) and no node token in sight."""
-    fds = sandbox.exec("sleep 2 & ls /proc/$!/fd").stdout.split()
+    # The pause: the shell sets up a background job's stdin (/dev/null) after forking it.
+    fds = sandbox.exec("sleep 2 & sleep 0.2; ls /proc/$!/fd").stdout.split()
     assert fds == [b"0", b"1", b"2"], fds
     token = (fleet.deployment.state_dir / "node-token").read_bytes().strip()
     assert len(token) >= 16

@@ -224,6 +224,7 @@ def main() -> None:
     """Entry point: sandfleet errors print their message, not a traceback."""
     from sandfleet.cli import demo as _demo  # noqa: F401 - registers `demo`
     from sandfleet.cli import images as _images  # noqa: F401 - registers `image`
+    from sandfleet.cli import log as _log  # noqa: F401 - registers `log`
     from sandfleet.cli import pools as _pools  # noqa: F401 - registers `pools`
 
     try:

@@ -7,7 +7,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 import httpx
@@ -22,18 +22,23 @@ from prometheus_client import (
 )
 
 from sandfleet.controlplane import fusion
+from sandfleet.controlplane.lifetimes import lifecycle_router
 from sandfleet.controlplane.service import ControlPlane
 from sandfleet.controlplane.store import SqlStore
 from sandfleet.wire.errors import InvalidArgument, SandfleetError, Unavailable
 from sandfleet.wire.models import (
+    REPLAYED_HEADER,
+    STEP_HEADER,
     CreateSandboxRequest,
     ErrorInfo,
     ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
+    ImageManifest,
     NodeHeartbeat,
     NodeInfo,
+    NodeRegistered,
     NodeRegistration,
     OutputChunk,
     PoolConfig,
@@ -41,6 +46,7 @@ from sandfleet.wire.models import (
     ProcessInfo,
     RunResult,
     SandboxInfo,
+    SnapshotRequest,
     SpawnRequest,
 )
 from sandfleet.wire.server import (
@@ -58,6 +64,8 @@ NDJSON = "application/x-ndjson"
 NO_READ_TIMEOUT = math.inf
 #: Extra seconds the node gets beyond a command's or a wait's own bound.
 NODE_MARGIN_S = 5.0
+#: Seconds a node may take to snapshot a sandbox (packing a few GiB of changes).
+SNAPSHOT_TIMEOUT_S = 900.0
 
 
 async def _lines(
@@ -109,7 +117,8 @@ def _plain_error_line(exc: SandfleetError) -> bytes:
     return json.dumps(exc.to_wire()).encode() + b"\n"
 
 
-def _cp_of(request: Request) -> ControlPlane:
+async def _cp_of(request: Request) -> ControlPlane:
+    # async: FastAPI runs a plain-def dependency in a thread, a hop per request.
     cp: ControlPlane = request.app.state.cp
     return cp
 
@@ -128,6 +137,17 @@ def _labels(label: list[str]) -> dict[str, str]:
     return out
 
 
+def _step(request: Request) -> dict[str, str]:
+    """The trajectory step header of a call, to forward to the node (none: not logged)."""
+    step = request.headers.get(STEP_HEADER)
+    return {} if step is None else {STEP_HEADER: step}
+
+
+def _replayed(resp: httpx.Response) -> dict[str, str]:
+    """The node's "answered from the trajectory log" header, to relay to the caller."""
+    return {REPLAYED_HEADER: "1"} if resp.headers.get(REPLAYED_HEADER) == "1" else {}
+
+
 async def _simple(
     sandbox_id: str,
     method: str,
@@ -136,15 +156,23 @@ async def _simple(
     *,
     node_timeout_s: float | None = None,
     json_body: object = None,
+    headers: dict[str, str] | None = None,
     **params: object,
 ) -> Response:
     """Forward one call and relay the node's answer (body, status) as it is."""
     kw: dict[str, object] = {"params": params}
     if json_body is not None:
         kw["json"] = json_body
+    if headers:
+        kw["headers"] = headers
     async with cp.forward(sandbox_id, method, suffix, node_timeout_s, **kw) as resp:
         body = await resp.aread()
-        return Response(body or None, status_code=resp.status_code, media_type="application/json")
+        return Response(
+            body or None,
+            status_code=resp.status_code,
+            media_type="application/json",
+            headers=_replayed(resp),
+        )
 
 
 def _pid(process_id: str) -> str:
@@ -196,7 +224,7 @@ def create_app(
 
     # ---------------------------------------------------------------- nodes
     @nodes_api.post("/register")
-    async def register(reg: NodeRegistration, cp: CP) -> NodeInfo:
+    async def register(reg: NodeRegistration, cp: CP) -> NodeRegistered:
         return cp.register_node(reg)
 
     @nodes_api.post("/{node_id}/heartbeat")
@@ -236,19 +264,26 @@ def create_app(
 
     @api.post("/sandboxes/{sandbox_id}/exec")
     async def exec_(sandbox_id: str, req: ExecRequest, cp: CP, request: Request) -> Response:
-        async def call() -> bytes:
+        async def call() -> tuple[bytes, dict[str, str]]:
             async with cp.forward(
                 sandbox_id,
                 "POST",
                 "/exec",
                 timeout_s=req.timeout_s + 5,
                 json=req.model_dump(mode="json"),
+                headers=_step(request),
             ) as resp:
-                return await resp.aread()
+                return await resp.aread(), _replayed(resp)
 
-        body = await cancel_on_disconnect(request, call())
+        body, replayed = await cancel_on_disconnect(request, call())
         execs.labels(ExecResult.model_validate_json(body).status).inc()
-        return Response(body, media_type="application/json")
+        return Response(body, media_type="application/json", headers=replayed)
+
+    @api.post("/sandboxes/{sandbox_id}/steps/{step}/cancel")
+    async def cancel_step(sandbox_id: str, step: int, cp: CP) -> Response:
+        # A logged exec outlives its caller's connection (so a preempted caller's
+        # successor gets its result); a caller that means to cancel says so here.
+        return await _simple(sandbox_id, "POST", f"/steps/{step}/cancel", cp)
 
     @api.post("/sandboxes/{sandbox_id}/exec/stream")
     async def exec_stream(
@@ -262,6 +297,7 @@ def create_app(
             "/exec/stream",
             timeout_s=req.timeout_s + NODE_MARGIN_S,
             json=req.model_dump(mode="json"),
+            headers=_step(request),
         )
         resp = await cancel_on_disconnect(request, stack.__aenter__())
         last: list[bytes] = []
@@ -276,13 +312,14 @@ def create_app(
             if event is not None and event.result is not None:
                 execs.labels(event.result.status).inc()
 
-        return StreamingResponse(body(), media_type=NDJSON)
+        return StreamingResponse(body(), media_type=NDJSON, headers=_replayed(resp))
 
     # ---------------------------------------------------------------- processes
     @api.post("/sandboxes/{sandbox_id}/processes", status_code=201, response_model=ProcessInfo)
-    async def spawn(sandbox_id: str, req: SpawnRequest, cp: CP) -> Response:
+    async def spawn(sandbox_id: str, req: SpawnRequest, cp: CP, request: Request) -> Response:
+        body = req.model_dump(mode="json")
         return await _simple(
-            sandbox_id, "POST", "/processes", cp, json_body=req.model_dump(mode="json")
+            sandbox_id, "POST", "/processes", cp, json_body=body, headers=_step(request)
         )
 
     @api.get("/sandboxes/{sandbox_id}/processes")
@@ -301,7 +338,7 @@ def create_app(
         request: Request,
         timeout_s: Annotated[float | None, Query(ge=0, le=30 * 86400)] = None,
     ) -> Response:
-        params = {} if timeout_s is None else {"timeout_s": timeout_s}
+        params: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
         limit = NO_READ_TIMEOUT if timeout_s is None else timeout_s + NODE_MARGIN_S
         work = _simple(
             sandbox_id,
@@ -318,11 +355,11 @@ def create_app(
         sandbox_id: str,
         process_id: str,
         cp: CP,
+        request: Request,
         signal: Annotated[int, Query(ge=1, le=64)] = 9,
     ) -> Response:
-        return await _simple(
-            sandbox_id, "POST", f"/processes/{_pid(process_id)}/kill", cp, signal=signal
-        )
+        path = f"/processes/{_pid(process_id)}/kill"
+        return await _simple(sandbox_id, "POST", path, cp, headers=_step(request), signal=signal)
 
     @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin", status_code=204)
     async def write_stdin(sandbox_id: str, process_id: str, request: Request, cp: CP) -> Response:
@@ -331,14 +368,15 @@ def create_app(
             "POST",
             f"/processes/{_pid(process_id)}/stdin",
             content=request.stream(),
-            headers={"content-type": "application/octet-stream"},
+            headers={"content-type": "application/octet-stream", **_step(request)},
             timeout_s=600,
-        ):
-            return Response(status_code=204)
+        ) as resp:
+            return Response(status_code=204, headers=_replayed(resp))
 
     @api.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin/close", status_code=204)
-    async def close_stdin(sandbox_id: str, process_id: str, cp: CP) -> Response:
-        return await _simple(sandbox_id, "POST", f"/processes/{_pid(process_id)}/stdin/close", cp)
+    async def close_stdin(sandbox_id: str, process_id: str, cp: CP, request: Request) -> Response:
+        path = f"/processes/{_pid(process_id)}/stdin/close"
+        return await _simple(sandbox_id, "POST", path, cp, headers=_step(request))
 
     @api.get("/sandboxes/{sandbox_id}/processes/{process_id}/output", response_model=OutputChunk)
     async def output(
@@ -364,8 +402,11 @@ def create_app(
         return StreamingResponse(lines, media_type=NDJSON)
 
     @api.delete("/sandboxes/{sandbox_id}/processes/{process_id}", status_code=204)
-    async def remove_process(sandbox_id: str, process_id: str, cp: CP) -> Response:
-        return await _simple(sandbox_id, "DELETE", f"/processes/{_pid(process_id)}", cp)
+    async def remove_process(
+        sandbox_id: str, process_id: str, cp: CP, request: Request
+    ) -> Response:
+        path = f"/processes/{_pid(process_id)}"
+        return await _simple(sandbox_id, "DELETE", path, cp, headers=_step(request))
 
     # ---------------------------------------------------------------- files
     @api.get("/sandboxes/{sandbox_id}/files/content")
@@ -397,10 +438,12 @@ def create_app(
             "/files/content",
             params={"path": path, "mode": mode},
             content=request.stream(),
+            headers=_step(request),
             timeout_s=600,
         ) as resp:
             body = await resp.aread()
-        return Response(body, media_type="application/json")
+            replayed = _replayed(resp)
+        return Response(body, media_type="application/json", headers=replayed)
 
     @api.get("/sandboxes/{sandbox_id}/files/list")
     async def list_dir(sandbox_id: str, path: str, cp: CP) -> Response:
@@ -411,12 +454,53 @@ def create_app(
         return await _simple(sandbox_id, "GET", "/files/stat", cp, path=path)
 
     @api.delete("/sandboxes/{sandbox_id}/files", status_code=204)
-    async def remove(sandbox_id: str, path: str, cp: CP, recursive: bool = False) -> Response:
-        return await _simple(sandbox_id, "DELETE", "/files", cp, path=path, recursive=recursive)
+    async def remove(
+        sandbox_id: str, path: str, cp: CP, request: Request, recursive: bool = False
+    ) -> Response:
+        return await _simple(
+            sandbox_id, "DELETE", "/files", cp, headers=_step(request), path=path,
+            recursive=recursive,
+        )  # fmt: skip
 
     @api.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=FileEntry)
-    async def mkdir(sandbox_id: str, path: str, cp: CP, parents: bool = True) -> Response:
-        return await _simple(sandbox_id, "POST", "/files/mkdir", cp, path=path, parents=parents)
+    async def mkdir(
+        sandbox_id: str, path: str, cp: CP, request: Request, parents: bool = True
+    ) -> Response:
+        return await _simple(
+            sandbox_id, "POST", "/files/mkdir", cp, headers=_step(request), path=path,
+            parents=parents,
+        )  # fmt: skip
+
+    @api.get("/sandboxes/{sandbox_id}/log")
+    async def trajectory_log(
+        sandbox_id: str,
+        cp: CP,
+        start: Annotated[int, Query(ge=0)] = 0,
+        tail: Annotated[int | None, Query(ge=0)] = None,
+    ) -> Response:
+        """The sandbox's trajectory log: NDJSON :class:`LogEntry` lines in step order.
+
+        ``start``: only steps >= it; ``tail``: only the last ``tail`` entries.
+        """
+        params: dict[str, int] = {"start": start}
+        if tail is not None:
+            params["tail"] = tail
+        async with cp.forward(sandbox_id, "GET", "/log", params=params) as resp:
+            body = await resp.aread()
+        return Response(body, media_type=NDJSON)
+
+    # ---------------------------------------------------------------- snapshots
+    @api.post("/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=ImageManifest)
+    async def snapshot(sandbox_id: str, req: SnapshotRequest, cp: CP) -> Response:
+        # The node packs the layer into the shared image store: the answer is its manifest.
+        return await _simple(
+            sandbox_id,
+            "POST",
+            "/snapshot",
+            cp,
+            node_timeout_s=SNAPSHOT_TIMEOUT_S,
+            json_body=req.model_dump(mode="json"),
+        )
 
     # ---------------------------------------------------------------- fncall
     @api.post("/run", response_model=RunResult)
@@ -446,6 +530,8 @@ def create_app(
 
     app.include_router(nodes_api)
     app.include_router(api)
+    # pause/resume (one sandbox, or a group by labels) and lifetimes: controlplane/lifetimes.py
+    app.include_router(lifecycle_router([Depends(token_checker(api_token))]))
     # SandboxFusion's clients (verl's among them) send no headers: with an API
     # token they use the URL http://<host>/token/<token>/run_code instead.
     app.include_router(fusion.router, dependencies=[Depends(token_checker(api_token))])

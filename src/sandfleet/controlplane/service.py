@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from sandfleet.controlplane.ids import new_sandbox_id, node_of, validate_node_id
+from sandfleet.controlplane.lifetimes import LIVE_STATES, Activity, check_lifetime, reap_idle
 from sandfleet.controlplane.nodeclient import NodeClients
 from sandfleet.controlplane.placement import Infeasible, NodeLoad, Placed, place
 from sandfleet.controlplane.store import Store
@@ -40,6 +41,7 @@ from sandfleet.wire.models import (
     NodeCreateRequest,
     NodeHeartbeat,
     NodeInfo,
+    NodeRegistered,
     NodeRegistration,
     PoolConfig,
     PoolInfo,
@@ -82,8 +84,8 @@ def validate_create(req: CreateSandboxRequest) -> None:
         raise InvalidArgument(f"pids_limit={req.pids_limit} is out of range: give 8 to 65536")
     if not 16 <= req.disk_mb <= 1024 * 1024:
         raise InvalidArgument(f"disk_mb={req.disk_mb} is out of range: give 16 to 1048576 MiB")
-    if req.ttl_s is not None and not (math.isfinite(req.ttl_s) and 0 < req.ttl_s <= 30 * 86400):
-        raise InvalidArgument(f"ttl_s={req.ttl_s} is out of range: give 0 < ttl_s <= 2592000 s")
+    check_lifetime("ttl_s", req.ttl_s)
+    check_lifetime("idle_ttl_s", req.idle_ttl_s)
     if len(req.labels) > 64:
         raise InvalidArgument(f"{len(req.labels)} labels given: at most 64")
     for key, value in req.labels.items():
@@ -121,6 +123,10 @@ class ControlPlane:
         self._addresses: dict[str, str] = {}
         self._rng = random.Random()
         self._reaper: asyncio.Task[None] | None = None
+        #: Calls forwarded through this instance, for idle TTLs (controlplane/lifetimes.py).
+        self.activity = Activity()
+        #: Nodes that registered with this instance (and so were reconciled with it).
+        self._registered: set[str] = set()
         #: Creates a node refused (capacity or unreachable) and placement retried elsewhere.
         self.refusals = 0
         self._fncall_cache: builtins.list[NodeInfo] = []
@@ -142,12 +148,19 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ nodes
 
-    def register_node(self, reg: NodeRegistration) -> NodeInfo:
+    def register_node(self, reg: NodeRegistration) -> NodeRegistered:
+        """Record the node; reconcile both ways when it lists the sandboxes it hosts.
+
+        Records of sandboxes it no longer hosts are closed; the answer's
+        ``unknown_sandboxes`` are those it hosts with no live record here, for
+        the node to destroy.
+        """
         validate_node_id(reg.node_id)
         old = self.store.get_node(reg.node_id)
         info = NodeInfo(**reg.model_dump(exclude={"sandboxes"}), last_heartbeat=time.time())
+        unknown: builtins.list[str] = []
         if reg.sandboxes is not None:
-            self._reconcile(reg.node_id, set(reg.sandboxes))
+            unknown = self._reconcile(reg.node_id, set(reg.sandboxes))
         if old is not None:
             info = info.model_copy(
                 update={
@@ -158,20 +171,33 @@ class ControlPlane:
             )
         self.store.put_node(info)
         self._addresses[reg.node_id] = reg.address
+        self._registered.add(reg.node_id)
         log.info("node %s registered at %s", reg.node_id, reg.address)
-        return info
+        return NodeRegistered(**info.model_dump(), unknown_sandboxes=unknown)
 
-    def _reconcile(self, node_id: str, hosted: set[str]) -> None:
-        """Close records of sandboxes the node no longer hosts (it restarted without them).
+    def _reconcile(self, node_id: str, hosted: set[str]) -> builtins.list[str]:
+        """Close records of sandboxes the node no longer hosts (it restarted without them,
+        or reclaimed them on its own deadlines); return those it hosts that have no live
+        record here (created behind this store's back, or destroyed while it was away).
 
         Creates that were in flight on it died with its previous process.
         """
-        for info in self.store.list_sandboxes(node_id=node_id, states=("creating", "running")):
+        recorded = self.store.list_sandboxes(node_id=node_id, states=LIVE_STATES)
+        for info in recorded:
             if info.id not in hosted:
                 self.store.set_sandbox_state(info.id, "destroyed")
+                self.activity.forget(info.id)
                 log.info("sandbox %s is gone from node %s: record closed", info.id, node_id)
+        unknown = sorted(hosted - {info.id for info in recorded})
+        for sandbox_id in unknown:
+            log.warning("node %s hosts %s, which has no record: destroyed", node_id, sandbox_id)
+        return unknown
 
     def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeInfo:
+        if node_id not in self._registered:
+            # This instance has not reconciled with the node yet (it just started):
+            # NotFound makes the node register again, listing what it hosts.
+            raise NotFound(f"node {node_id!r} is not registered with this control plane; register")
         node = self.store.patch_node(node_id, {**hb.model_dump(), "last_heartbeat": time.time()})
         if node is None:
             raise NotFound(f"node {node_id!r} is not registered; register it first")
@@ -282,6 +308,8 @@ class ControlPlane:
             labels=req.labels,
             created_at=now,
             expires_at=now + req.ttl_s if req.ttl_s is not None else None,
+            idle_ttl_s=req.idle_ttl_s,
+            last_active_at=now,
         )
         self.store.put_sandbox(info)
         flight = self._in_flight.setdefault(node_id, _InFlight())
@@ -316,10 +344,11 @@ class ControlPlane:
         info = self.store.get_sandbox(sandbox_id)
         if info is None or info.state == "destroyed":
             raise NotFound(f"sandbox {sandbox_id} does not exist (destroyed or never created)")
-        return info
+        return self.activity.overlay(info)
 
     def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        return self.store.list_sandboxes(labels=labels)
+        found = self.store.list_sandboxes(labels=labels, states=LIVE_STATES)
+        return [self.activity.overlay(info) for info in found]
 
     async def destroy(self, sandbox_id: str) -> None:
         info = self.get(sandbox_id)
@@ -329,6 +358,7 @@ class ControlPlane:
         with contextlib.suppress(NotFound):
             await self.nodes.call(address, "DELETE", f"/v1/sandboxes/{sandbox_id}")
         self.store.set_sandbox_state(sandbox_id, "destroyed")
+        self.activity.forget(sandbox_id)
 
     # ------------------------------------------------------------------ data plane
 
@@ -344,14 +374,16 @@ class ControlPlane:
         """Send a call for ``sandbox_id`` to its node; yields the unread response."""
         node_id = node_of(sandbox_id)
         try:
-            async with self.nodes.stream(
-                self._node_address(node_id),
-                method,
-                f"/v1/sandboxes/{sandbox_id}{suffix}",
-                timeout_s=timeout_s,
-                **kw,
-            ) as resp:
-                yield resp
+            # A call is activity (idle TTL) and resumes a paused sandbox on its node.
+            with self.activity.call(sandbox_id):
+                async with self.nodes.stream(
+                    self._node_address(node_id),
+                    method,
+                    f"/v1/sandboxes/{sandbox_id}{suffix}",
+                    timeout_s=timeout_s,
+                    **kw,
+                ) as resp:
+                    yield resp
         except Unavailable:
             self._addresses.pop(node_id, None)
             raise
@@ -465,8 +497,12 @@ class ControlPlane:
     # ------------------------------------------------------------------ TTL
 
     async def reap_once(self) -> int:
-        """Destroy sandboxes past their TTL; returns how many were reclaimed."""
-        reaped = 0
+        """Destroy sandboxes past their TTL or idle TTL; returns how many were reclaimed.
+
+        Activity stamps kept in memory are written to the store first.
+        """
+        self.activity.flush(self.store)
+        reaped = await reap_idle(self)
         for info in self.store.expired_sandboxes(time.time()):
             try:
                 await self.destroy(info.id)

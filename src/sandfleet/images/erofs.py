@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandfleet.wire.errors import FailedPrecondition, Internal, NotFound, ResourceExhausted
@@ -27,7 +28,12 @@ MKFS = "mkfs.erofs"
 
 
 def pack_erofs(
-    src_dir: Path, out_file: Path, *, preserve_mtime: bool = False, all_root: bool = False
+    src_dir: Path,
+    out_file: Path,
+    *,
+    preserve_mtime: bool = False,
+    all_root: bool = False,
+    exclude_regex: Sequence[str] = (),
 ) -> Path:
     """Pack ``src_dir`` into the EROFS image ``out_file`` (uncompressed, 4 KiB blocks).
 
@@ -37,7 +43,10 @@ def pack_erofs(
     file's mtime instead (mtimes after 2100 are clamped; the build time stays
     fixed, so an identical tree, mtimes included, still gives identical
     bytes). ``all_root=True`` makes
-    every file owned by uid/gid 0.
+    every file owned by uid/gid 0. ``exclude_regex``: POSIX extended regular
+    expressions matched against each path relative to ``src_dir`` (no leading
+    ``/``, e.g. ``tmp/x``); a match leaves the file, or the directory with all
+    below it, out of the image.
 
     The image is written to a temporary file next to ``out_file`` and renamed
     into place, so ``out_file`` is either complete or absent. Returns
@@ -70,6 +79,7 @@ def pack_erofs(
         cmd.append("-T0")
     if all_root:
         cmd.append("--all-root")
+    cmd += [f"--exclude-regex={rx}" for rx in exclude_regex]
     cmd += [str(tmp), str(src_dir)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

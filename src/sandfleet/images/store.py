@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from sandfleet.node import mounts
-from sandfleet.wire.errors import Internal, InvalidArgument, NotFound
+from sandfleet.wire.errors import AlreadyExists, Internal, InvalidArgument, NotFound
 from sandfleet.wire.models import ImageManifest, LayerDescriptor, LayerKind
 
 from .refs import format_ref, parse_ref, validate_name, validate_tag
@@ -106,8 +106,12 @@ class ImageStore:
     def _manifest_path(self, name: str, tag: str) -> Path:
         return self.manifests_dir / validate_name(name) / f"{validate_tag(tag)}.json"
 
-    def put(self, manifest: ImageManifest) -> None:
+    def put(self, manifest: ImageManifest, *, exclusive: bool = False) -> None:
         """Store ``manifest`` under its ``name:tag``, replacing any previous one atomically.
+
+        With ``exclusive`` an existing ``name:tag`` is never replaced:
+        :class:`AlreadyExists` is raised instead (atomic too: of two writers of
+        the same tag, exactly one wins).
 
         Raises :class:`InvalidArgument` for an invalid name or tag and
         :class:`NotFound` if one of its layers is not in the store.
@@ -127,7 +131,16 @@ class ImageStore:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.chmod(tmp_name, 0o644)
-            os.replace(tmp_name, path)
+            if not exclusive:
+                os.replace(tmp_name, path)
+                return
+            try:
+                os.link(tmp_name, path)  # fails if the tag exists, unlike rename
+            except FileExistsError:
+                raise AlreadyExists(
+                    f"image {manifest.ref} already exists in {self.root}: choose another"
+                    " name or tag, or remove it first (`sandfleet image rm`)"
+                ) from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)

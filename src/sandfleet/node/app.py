@@ -15,13 +15,16 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from sandfleet.fncall.service import FnCallService
+from sandfleet.node.lifetimes import ActivityMiddleware, lifecycle_router
 from sandfleet.node.registration import heartbeat_forever
 from sandfleet.node.service import NodeService
+from sandfleet.node.trajectory import Logged, step_of
 from sandfleet.wire.errors import FailedPrecondition, InvalidArgument, SandfleetError
 from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ImageManifest,
     NodeCreateRequest,
     NodeRegistration,
     OutputChunk,
@@ -31,6 +34,7 @@ from sandfleet.wire.models import (
     RunBatchRequest,
     RunRequest,
     RunResult,
+    SnapshotRequest,
     SpawnRequest,
 )
 from sandfleet.wire.server import cancel_on_disconnect, install_error_handlers, token_checker
@@ -72,7 +76,14 @@ def create_node_app(
         task = None
         if control_plane and registration:
             task = asyncio.get_running_loop().create_task(
-                heartbeat_forever(control_plane, token, registration, service.load, service.ids)
+                heartbeat_forever(
+                    control_plane,
+                    token,
+                    registration,
+                    service.load,
+                    service.ids,
+                    disown=service.lifetimes.disown,
+                )
             )
         yield
         if task:
@@ -83,8 +94,11 @@ def create_node_app(
 
     app = FastAPI(title="sandfleet node agent", version="1", lifespan=lifespan)
     install_error_handlers(app)
+    # Calls on a box are activity (idle TTL) and resume it when paused (node/lifetimes.py).
+    app.add_middleware(ActivityMiddleware, lifetimes=service.lifetimes, token=token)
     api = APIRouter(prefix="/v1/sandboxes", dependencies=[Depends(token_checker(token))])
     svc = service
+    logged = Logged(svc)  # calls with a step header: the trajectory log
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -104,19 +118,29 @@ def create_node_app(
         await svc.destroy(sandbox_id)
         return Response(status_code=204)
 
-    @api.post("/{sandbox_id}/exec")
-    async def exec_(sandbox_id: str, req: ExecRequest, request: Request) -> ExecResult:
+    @api.post("/{sandbox_id}/exec", response_model=ExecResult)
+    async def exec_(sandbox_id: str, req: ExecRequest, request: Request) -> ExecResult | Response:
         if req.max_output_bytes is None:
             raise InvalidArgument(
                 "max_output_bytes=None (no cap) is for streamed exec only: an uncapped"
                 " capture could fill memory; give a cap or use exec_stream / on_stdout"
             )
+        if (step := step_of(request)) is not None:
+            # Not cancelled when the caller goes away: see Logged.detached.
+            work = logged.exec(sandbox_id, step, req, lambda: svc.exec(sandbox_id, req))
+            return await logged.detached(sandbox_id, step, work)
         return await cancel_on_disconnect(request, svc.exec(sandbox_id, req))
+
+    @api.post("/{sandbox_id}/steps/{step}/cancel")
+    async def cancel_step(sandbox_id: str, step: int) -> dict[str, str]:
+        return {"state": await logged.cancel(sandbox_id, step)}
 
     @api.post("/{sandbox_id}/exec/stream")
     async def exec_stream(sandbox_id: str, req: ExecRequest, request: Request) -> StreamingResponse:
         # Errors before the first event (bad cwd, unknown user) are HTTP errors, so
         # the answer starts with the first event; a client gone meanwhile cancels it.
+        if (step := step_of(request)) is not None:
+            return await cancel_on_disconnect(request, logged.exec_stream(sandbox_id, step, req))
         cm = svc.exec_stream(sandbox_id, req)
         events = await cancel_on_disconnect(request, cm.__aenter__())
 
@@ -131,8 +155,14 @@ def create_node_app(
         return StreamingResponse(body(), media_type=NDJSON)
 
     # ---------------------------------------------------------------- processes
-    @api.post("/{sandbox_id}/processes", status_code=201)
-    async def spawn(sandbox_id: str, req: SpawnRequest) -> ProcessInfo:
+    @api.post("/{sandbox_id}/processes", status_code=201, response_model=ProcessInfo)
+    async def spawn(sandbox_id: str, req: SpawnRequest, request: Request) -> ProcessInfo | Response:
+        if (step := step_of(request)) is not None:
+            fields, stored = logged.spawn_fields(req)
+            run = lambda: svc.spawn(sandbox_id, req)  # noqa: E731
+            return await logged.call(
+                sandbox_id, step, "spawn", fields, run, stored=stored, status_code=201
+            )
         return await svc.spawn(sandbox_id, req)
 
     @api.get("/{sandbox_id}/processes")
@@ -154,19 +184,36 @@ def create_node_app(
         work = svc.wait_process(sandbox_id, process_id, timeout_s)
         return await cancel_on_disconnect(request, work)
 
-    @api.post("/{sandbox_id}/processes/{process_id}/kill")
+    @api.post("/{sandbox_id}/processes/{process_id}/kill", response_model=ProcessInfo)
     async def kill_process(
-        sandbox_id: str, process_id: str, signal: Annotated[int, Query(ge=1, le=64)] = 9
-    ) -> ProcessInfo:
+        sandbox_id: str,
+        process_id: str,
+        request: Request,
+        signal: Annotated[int, Query(ge=1, le=64)] = 9,
+    ) -> ProcessInfo | Response:
+        if (step := step_of(request)) is not None:
+            fields = {"process_id": process_id, "signal": signal}
+            run = lambda: svc.kill_process(sandbox_id, process_id, signal)  # noqa: E731
+            return await logged.call(sandbox_id, step, "kill", fields, run)
         return await svc.kill_process(sandbox_id, process_id, signal)
 
     @api.post("/{sandbox_id}/processes/{process_id}/stdin", status_code=204)
     async def write_stdin(sandbox_id: str, process_id: str, request: Request) -> Response:
+        if (step := step_of(request)) is not None:
+            return await logged.streamed(
+                sandbox_id, step, "stdin", {"process_id": process_id}, request.stream(),
+                lambda data: svc.write_stdin(sandbox_id, process_id, data),
+                key="data", status_code=204,
+            )  # fmt: skip
         await svc.write_stdin(sandbox_id, process_id, request.stream())
         return Response(status_code=204)
 
     @api.post("/{sandbox_id}/processes/{process_id}/stdin/close", status_code=204)
-    async def close_stdin(sandbox_id: str, process_id: str) -> Response:
+    async def close_stdin(sandbox_id: str, process_id: str, request: Request) -> Response:
+        if (step := step_of(request)) is not None:
+            run = lambda: svc.close_stdin(sandbox_id, process_id)  # noqa: E731
+            fields = {"process_id": process_id}
+            return await logged.call(sandbox_id, step, "close_stdin", fields, run, status_code=204)
         await svc.close_stdin(sandbox_id, process_id)
         return Response(status_code=204)
 
@@ -193,7 +240,13 @@ def create_node_app(
         return StreamingResponse(body(), media_type=NDJSON)
 
     @api.delete("/{sandbox_id}/processes/{process_id}", status_code=204)
-    async def remove_process(sandbox_id: str, process_id: str) -> Response:
+    async def remove_process(sandbox_id: str, process_id: str, request: Request) -> Response:
+        if (step := step_of(request)) is not None:
+            run = lambda: svc.remove_process(sandbox_id, process_id)  # noqa: E731
+            fields = {"process_id": process_id}
+            return await logged.call(
+                sandbox_id, step, "remove_process", fields, run, status_code=204
+            )
         await svc.remove_process(sandbox_id, process_id)
         return Response(status_code=204)
 
@@ -214,8 +267,15 @@ def create_node_app(
 
         return StreamingResponse(body(), media_type="application/octet-stream")
 
-    @api.put("/{sandbox_id}/files/content")
-    async def upload(sandbox_id: str, path: str, request: Request, mode: int = 0o644) -> FileEntry:
+    @api.put("/{sandbox_id}/files/content", response_model=FileEntry)
+    async def upload(
+        sandbox_id: str, path: str, request: Request, mode: int = 0o644
+    ) -> FileEntry | Response:
+        if (step := step_of(request)) is not None:
+            return await logged.streamed(
+                sandbox_id, step, "write", {"path": path, "mode": mode}, request.stream(),
+                lambda data: svc.write_file(sandbox_id, path, data, mode), key="content",
+            )  # fmt: skip
         return await svc.write_file(sandbox_id, path, request.stream(), mode)
 
     @api.get("/{sandbox_id}/files/list")
@@ -227,15 +287,42 @@ def create_node_app(
         return await svc.stat(sandbox_id, path)
 
     @api.delete("/{sandbox_id}/files", status_code=204)
-    async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
+    async def remove(
+        sandbox_id: str, path: str, request: Request, recursive: bool = False
+    ) -> Response:
+        if (step := step_of(request)) is not None:
+            run = lambda: svc.remove(sandbox_id, path, recursive)  # noqa: E731
+            fields = {"path": path, "recursive": recursive}
+            return await logged.call(sandbox_id, step, "remove", fields, run, status_code=204)
         await svc.remove(sandbox_id, path, recursive)
         return Response(status_code=204)
 
-    @api.post("/{sandbox_id}/files/mkdir")
-    async def mkdir(sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
+    @api.post("/{sandbox_id}/files/mkdir", response_model=FileEntry)
+    async def mkdir(
+        sandbox_id: str, path: str, request: Request, parents: bool = True
+    ) -> FileEntry | Response:
+        if (step := step_of(request)) is not None:
+            run = lambda: svc.mkdir(sandbox_id, path, parents)  # noqa: E731
+            fields = {"path": path, "parents": parents}
+            return await logged.call(sandbox_id, step, "mkdir", fields, run)
         return await svc.mkdir(sandbox_id, path, parents)
 
+    @api.get("/{sandbox_id}/log")
+    async def trajectory_log(
+        sandbox_id: str,
+        start: Annotated[int, Query(ge=0)] = 0,
+        tail: Annotated[int | None, Query(ge=0)] = None,
+    ) -> Response:
+        """The trajectory log: NDJSON LogEntry lines in step order (node/trajectory.py)."""
+        return Response(await logged.export(sandbox_id, start, tail), media_type=NDJSON)
+
+    @api.post("/{sandbox_id}/snapshot", status_code=201)
+    async def snapshot(sandbox_id: str, req: SnapshotRequest) -> ImageManifest:
+        """Pack the box's writable layer into a new ``diff`` image (images/snapshot.py)."""
+        return await svc.snapshot(sandbox_id, req)
+
     app.include_router(api)
+    app.include_router(lifecycle_router(svc.lifetimes, token))
     app.include_router(fncall_router(svc, token))
     return app
 

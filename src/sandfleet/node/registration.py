@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -26,8 +26,13 @@ async def heartbeat_forever(
     load: Callable[[], NodeHeartbeat],
     hosted: Callable[[], list[str]],
     interval_s: float = HEARTBEAT_INTERVAL_S,
+    disown: Callable[[list[str]], Awaitable[None]] | None = None,
 ) -> None:
     """Register, then report load every ``interval_s`` seconds; re-register when forgotten.
+
+    Registration reconciles both ways: the control plane closes its records of
+    boxes the node no longer hosts, and answers ``unknown_sandboxes``, the
+    boxes it has no record of, which ``disown`` destroys.
 
     Never raises except on cancellation: an unreachable control plane is logged
     and retried, so nodes and control plane can start in any order.
@@ -46,6 +51,9 @@ async def heartbeat_forever(
                     r.raise_for_status()
                     registered = True
                     log.info("registered with the control plane at %s", base)
+                    unknown = r.json().get("unknown_sandboxes") or []
+                    if disown is not None and unknown:
+                        await disown([str(i) for i in unknown])
                 r = await http.post(
                     f"{base}/v1/nodes/{registration.node_id}/heartbeat",
                     json=load().model_dump(mode="json"),

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
 from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.fncall.service import FnCallService
 from sandfleet.guest.client import AgentClient, OutputCallback
+from sandfleet.node.lifetimes import NodeLifetimes, Pausable
+from sandfleet.node.trajectory import Trajectories
 from sandfleet.wire.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -38,11 +41,13 @@ from sandfleet.wire.models import (
     ExecResult,
     FileEntry,
     ImageConfig,
+    ImageManifest,
     NodeCapacity,
     NodeCreateRequest,
     NodeHeartbeat,
     OutputChunk,
     ProcessInfo,
+    SnapshotRequest,
     SpawnRequest,
 )
 
@@ -91,6 +96,10 @@ class NodeService:
         self._boxes: dict[str, _Box] = {}
         self._pending: dict[str, NodeCreateRequest] = {}
         self._lock = asyncio.Lock()
+        #: TTLs, idle TTLs, pause state and the node's own reaper (node/lifetimes.py).
+        self.lifetimes = NodeLifetimes(self, self._meta_dir)
+        #: Each box's trajectory log, <id>.log beside its metadata (node/trajectory.py).
+        self.trajectory = Trajectories(self._meta_dir)
         self.fncall: FnCallService | None = None
         container = backends.get("container")
         if isinstance(container, ContainerBackend):
@@ -132,6 +141,7 @@ class NodeService:
                     f" MiB unreserved; {req.memory_mb} MiB asked"
                 )
             self._pending[req.id] = req
+        born = time.time()
         try:
             from sandfleet.images import ImageStore, stack_for
 
@@ -148,6 +158,7 @@ class NodeService:
                 workdir=config.workdir,
             )
             handle = await backend.create(spec)
+            self.lifetimes.add(req, born)
             self._write_meta(req, config)
             self._boxes[req.id] = _Box(req, config, handle, AgentClient(handle.agent_socket))
         finally:
@@ -160,6 +171,8 @@ class NodeService:
             await self.backends[box.request.kind].destroy(sandbox_id)
         finally:
             (self._meta_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
+            self.lifetimes.drop(sandbox_id)
+            self.trajectory.drop(sandbox_id)
 
     async def recover(self) -> None:
         """Adopt boxes that survived a restart; destroy those without metadata."""
@@ -176,13 +189,18 @@ class NodeService:
                     meta.unlink(missing_ok=True)
                     continue
                 self._boxes[handle.id] = _Box(req, config, handle, AgentClient(handle.agent_socket))
-                log.info("adopted %s %s", kind, handle.id)
+                paused = isinstance(backend, Pausable) and backend.paused(handle.id)
+                self.lifetimes.adopt(req, meta, paused=paused)
+                log.info("adopted %s %s%s", kind, handle.id, " (paused)" if paused else "")
         for meta in self._meta_dir.glob("*.json"):
             if meta.stem not in self._boxes:
                 meta.unlink(missing_ok=True)
+        self.lifetimes.sweep()
+        self.trajectory.sweep(set(self._boxes))
 
     def start(self) -> None:
-        """Start background work (the fncall pools' upkeep); call after :meth:`recover`."""
+        """Start the reaper and the fncall pools' upkeep; call after :meth:`recover`."""
+        self.lifetimes.start()
         if self.fncall is not None:
             self.fncall.start()
 
@@ -191,6 +209,7 @@ class NodeService:
 
         fncall workers hold no state worth keeping: they are always stopped.
         """
+        await self.lifetimes.close()
         if self.fncall is not None:
             await self.fncall.close()
         if destroy_all:
@@ -209,6 +228,10 @@ class NodeService:
         )
         os.replace(tmp, self._meta_dir / f"{req.id}.json")
 
+    def backend_of(self, sandbox_id: str) -> Backend:
+        """The backend hosting the box; ``NotFound`` or ``FailedPrecondition`` (being created)."""
+        return self.backends[self._box(sandbox_id).request.kind]
+
     def _box(self, sandbox_id: str) -> _Box:
         box = self._boxes.get(sandbox_id)
         if box is None:
@@ -216,6 +239,19 @@ class NodeService:
                 raise FailedPrecondition(f"sandbox {sandbox_id} is still being created; retry")
             raise NotFound(f"sandbox {sandbox_id} does not exist on node {self.node_id}")
         return box
+
+    async def snapshot(self, sandbox_id: str, req: SnapshotRequest) -> ImageManifest:
+        """Pack the box's writable layer into a ``diff`` layer and store an image over it.
+
+        See :func:`sandfleet.images.snapshot.snapshot_sandbox` (errors included).
+        """
+        from sandfleet.images import ImageStore
+        from sandfleet.images.snapshot import snapshot_sandbox
+
+        box = self._box(sandbox_id)
+        backend = self.backends[box.request.kind]
+        store = ImageStore(self.images_dir)
+        return await snapshot_sandbox(store, backend, box.request, box.config, req)
 
     # ------------------------------------------------------------------ inside the box
 

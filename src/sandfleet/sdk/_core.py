@@ -38,7 +38,10 @@ from sandfleet.wire.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    GroupRequest,
+    GroupResult,
     ImageManifest,
+    LifetimeRequest,
     NodeInfo,
     OutputChunk,
     PoolConfig,
@@ -291,6 +294,7 @@ def create_request(
     ttl_s: float | None,
     labels: Mapping[str, str] | None,
     env: Mapping[str, str] | None,
+    idle_ttl_s: float | None = None,
 ) -> Request[SandboxInfo]:
     check_kind(kind)
     body = _build(
@@ -303,6 +307,7 @@ def create_request(
         pids_limit=pids_limit,
         disk_mb=disk_mb,
         ttl_s=ttl_s,
+        idle_ttl_s=idle_ttl_s,
         labels=dict(labels or {}),
         env=dict(env or {}),
     )
@@ -330,6 +335,90 @@ def list_request(labels: Mapping[str, str] | None) -> Request[list[SandboxInfo]]
 
 def destroy_request(sandbox_id: str) -> Request[None]:
     return Request("DELETE", _sandbox_path(sandbox_id), _none)
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+class _Keep:
+    """The default of :meth:`set_lifetime`'s arguments: leave that lifetime as it is."""
+
+    _instance: _Keep | None = None
+
+    def __new__(cls) -> _Keep:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+#: "Leave this lifetime as it is" (the default of ``set_lifetime``'s arguments).
+KEEP: Any = _Keep()
+
+
+def pause_request(sandbox_id: str) -> Request[SandboxInfo]:
+    return Request("POST", _sandbox_path(sandbox_id, "/pause"), _model(SandboxInfo))
+
+
+def resume_request(sandbox_id: str) -> Request[SandboxInfo]:
+    return Request("POST", _sandbox_path(sandbox_id, "/resume"), _model(SandboxInfo))
+
+
+def lifetime_request(sandbox_id: str, ttl_s: Any, idle_ttl_s: Any) -> Request[SandboxInfo]:
+    """The request of ``set_lifetime``; arguments left at :data:`KEEP` are not sent.
+
+    Raises ``InvalidArgument`` when both are left at KEEP, or for a value that is
+    not a positive number of seconds (at most 30 days) or None.
+    """
+    given = {
+        name: value
+        for name, value in (("ttl_s", ttl_s), ("idle_ttl_s", idle_ttl_s))
+        if value is not KEEP
+    }
+    if not given:
+        raise InvalidArgument("give ttl_s and/or idle_ttl_s (seconds; None removes the limit)")
+    for name, value in given.items():
+        if value is not None and not (
+            isinstance(value, int | float) and math.isfinite(value) and 0 < value <= 30 * 86400
+        ):
+            raise InvalidArgument(
+                f"{name}={value!r} is out of range: give seconds in (0, 2592000], or None for"
+                " no limit"
+            )
+    body = _build(LifetimeRequest, **given)
+    return Request(
+        "POST",
+        _sandbox_path(sandbox_id, "/lifetime"),
+        _model(SandboxInfo),
+        body=body.model_dump_json(exclude_unset=True).encode(),
+        headers=_JSON,
+    )
+
+
+def group_request(op: str, labels: Mapping[str, str]) -> Request[GroupResult]:
+    """``POST /v1/sandboxes/{op}`` for the sandboxes carrying every one of ``labels``.
+
+    Raises ``InvalidArgument`` for no labels (a group op never acts on every
+    sandbox) or a malformed key.
+    """
+    if not labels:
+        raise InvalidArgument(
+            f"{op} needs labels naming the group, e.g. labels={{'job': 'my-job'}}: it never"
+            " acts on every sandbox"
+        )
+    for key in labels:
+        if not key or "=" in key:
+            raise InvalidArgument(f"label key {key!r} must be non-empty and contain no '='")
+    body = _build(GroupRequest, labels=dict(labels))
+    return Request(
+        "POST",
+        f"/v1/sandboxes/{op}",
+        _model(GroupResult),
+        body=body.model_dump_json().encode(),
+        headers=_JSON,
+    )
 
 
 def exec_body(

@@ -32,14 +32,22 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from sandfleet.sdk import _core
+from sandfleet.sdk import _core, _snapshot, _steps
 from sandfleet.sdk._batch import RunBatcher
-from sandfleet.wire.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
+from sandfleet.wire.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    SandfleetError,
+)
 from sandfleet.wire.models import (
     ExecEvent,
     ExecResult,
     FileEntry,
+    GroupResult,
     ImageManifest,
+    LogEntry,
     NodeInfo,
     OutputChunk,
     PoolInfo,
@@ -175,14 +183,18 @@ class AsyncClient:
         ttl_s: float | None = 3600.0,
         labels: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
+        idle_ttl_s: float | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and return its handle once it is running.
 
         ``kind`` is the isolation level (the only switch between kinds);
         ``image`` and ``workspace`` are ``name:tag`` references; ``cpu`` in
         cores, ``memory_mb`` in MiB, ``pids_limit`` processes, ``ttl_s`` the
-        hard lifetime in seconds (None: no TTL); ``labels`` tag it for
-        :meth:`list`; ``env`` is given to every exec.
+        hard lifetime in seconds (None: no TTL); ``idle_ttl_s`` reclaims it
+        after that many seconds without a call (None: never; a paused sandbox
+        keeps counting); both may be changed later with
+        :meth:`AsyncSandbox.set_lifetime`. ``labels`` tag it for :meth:`list`
+        and group :meth:`pause`/:meth:`resume`; ``env`` is given to every exec.
 
         Raises ``InvalidArgument`` (a kind not built in this release, checked
         before any request; bad limits), ``NotFound`` (no such image),
@@ -200,15 +212,57 @@ class AsyncClient:
                 ttl_s=ttl_s,
                 labels=labels,
                 env=env,
+                idle_ttl_s=idle_ttl_s,
             )
         )
 
     async def _create(self, request: _core.Request[SandboxInfo]) -> AsyncSandbox:
-        return AsyncSandbox(self, await self._send(request))
+        sandbox = AsyncSandbox(self, await self._send(request))
+        sandbox._steps = _steps.Steps()  # its calls go to its trajectory log from step 0
+        return sandbox
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
-        """A handle on an existing sandbox. Raises ``NotFound`` if it does not exist."""
+        """A handle on an existing sandbox. Raises ``NotFound`` if it does not exist.
+
+        Its calls are not recorded in the sandbox's trajectory log (several
+        handles may share a sandbox); :meth:`attach` makes a handle that is.
+        """
         return AsyncSandbox(self, await self._send(_core.get_request(sandbox_id)))
+
+    async def attach(self, sandbox_id: str, *, resume_from_log: bool = False) -> AsyncSandbox:
+        """A handle on an existing sandbox that goes on with its trajectory log.
+
+        The handle of :meth:`create` numbers its calls that run or change
+        something (exec, exec_stream, file write/upload/remove/mkdir, spawn,
+        process kill/stdin/remove) 0, 1, 2, ...; the sandbox logs each with a
+        digest of the request and its result (outputs cut to 64 KiB, head and
+        tail), durably, surviving restarts of its node agent and of the control
+        plane. Reads are not logged. A call that fails (an error, or cancelled,
+        which kills a command) is not logged: re-issued, it runs.
+
+        ``resume_from_log=False``: this handle's calls are numbered after the
+        log's last step. ``resume_from_log=True`` (a trainer back after
+        preemption): numbering restarts at 0 and the caller re-issues its calls
+        in their original order. Each call the log holds is answered from it,
+        marked replayed (``ExecResult.replayed``), and **not run again**; this
+        is checked against the log fetched here once, with no request per call,
+        so fast-forwarding thousands of steps takes milliseconds. The first call
+        past the log's end runs. A call that differs from the logged one at its
+        step raises ``Diverged`` naming the step, and nothing runs.
+
+        Raises ``NotFound`` (no such sandbox), ``Unavailable``.
+        """
+        tail = None if resume_from_log else 1
+        info, entries = await asyncio.gather(
+            self._send(_core.get_request(sandbox_id)),
+            self._send(_steps.log_request(sandbox_id, tail=tail)),
+        )
+        sandbox = AsyncSandbox(self, info)
+        if resume_from_log:
+            sandbox._steps = _steps.Steps(0, entries)
+        else:
+            sandbox._steps = _steps.Steps(entries[-1].step + 1 if entries else 0)
+        return sandbox
 
     async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
         """The sandboxes carrying every one of ``labels`` (all sandboxes when None)."""
@@ -329,6 +383,21 @@ class AsyncClient:
             return
         self._keep(asyncio.ensure_future(creating.result().destroy()))
 
+    async def pause(self, *, labels: Mapping[str, str]) -> GroupResult:
+        """Pause, in parallel, every sandbox carrying all of ``labels`` (e.g. one RL job's).
+
+        Paused sandboxes keep their memory and use no CPU; any call on one
+        resumes it. The result lists the ids paused (``sandboxes``) and, by id,
+        why others could not be (``failed``); one failure never stops the rest.
+        Raises ``InvalidArgument`` for empty ``labels`` (it never pauses
+        every sandbox), ``Unavailable``.
+        """
+        return await self._send(_core.group_request("pause", labels))
+
+    async def resume(self, *, labels: Mapping[str, str]) -> GroupResult:
+        """Resume, in parallel, every sandbox carrying all of ``labels``; as :meth:`pause`."""
+        return await self._send(_core.group_request("resume", labels))
+
     async def images(self) -> builtins.list[ImageManifest]:
         """The images the cluster can start sandboxes from."""
         return await self._send(_core.images_request())
@@ -399,6 +468,7 @@ class AsyncSandbox:
         self._client = client
         self._info = info
         self._destroyed = False
+        self._steps: _steps.Steps | None = None
         self.files = AsyncFiles(self)
         """File operations inside the sandbox."""
 
@@ -406,6 +476,69 @@ class AsyncSandbox:
     def id(self) -> str:
         """The sandbox's id."""
         return self._info.id
+
+    @property
+    def step(self) -> int | None:
+        """The step number this handle gives its next logged call; None if it logs none.
+
+        Handles of :meth:`AsyncClient.create` and :meth:`AsyncClient.attach`
+        log their calls; those of :meth:`AsyncClient.get` do not.
+        """
+        return None if self._steps is None else self._steps.next
+
+    async def log(self, start: int = 0) -> builtins.list[LogEntry]:
+        """The sandbox's trajectory log from step ``start`` on, in step order.
+
+        One :class:`~sandfleet.wire.models.LogEntry` per logged call: ``step``,
+        ``op``, the request's ``digest``, bounded copies of the ``request`` and
+        ``result``, and ``at`` (Unix seconds). Raises ``NotFound``, ``Unavailable``.
+        """
+        return await self._client._send(_steps.log_request(self._sandbox_id(), start))
+
+    async def _call(
+        self,
+        request: _core.Request[T],
+        op: str,
+        fields: _steps.Fields,
+        answer: Callable[[LogEntry], T],
+        content: Any = None,
+    ) -> T:
+        """Send a call the trajectory log records: numbered, or answered from a fetched log."""
+        steps = self._steps
+        if steps is None:
+            return await self._client._send(request, content)
+        while steps.settling is not None:
+            await asyncio.shield(steps.settling)
+        step, entry = steps.take(op, fields)
+        if entry is not None:
+            return answer(entry)
+        try:
+            return await self._client._send(_steps.with_step(request, step), content)
+        except asyncio.CancelledError:
+            # The node runs a logged call on when its caller goes away (a dead
+            # trainer cannot say whether it meant to stop it): say so, and learn
+            # whether the call ended first, before this handle numbers another.
+            settling = asyncio.ensure_future(self._cancel_step(step))
+            steps.settling = settling
+            self._client._keep(settling)
+            raise
+        except SandfleetError as exc:
+            if exc.retryable:  # the call may still run on the node: settle as above
+                await self._cancel_step(step)
+            else:
+                steps.undo(step)  # the node refused it and left the step free
+            raise
+
+    async def _cancel_step(self, step: int) -> None:
+        steps = self._steps
+        assert steps is not None
+        try:
+            state = await self._client._send(_steps.cancel_request(self.id, step))
+        except Exception:  # unknown: leave the step taken; a gap beats a second run
+            state = "logged"
+        finally:
+            steps.settling = None
+        steps.settle(step, state)
 
     @property
     def info(self) -> SandboxInfo:
@@ -518,23 +651,35 @@ class AsyncSandbox:
 
     async def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
         client = self._client
-        return await client._send(
-            _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
-        )
+        request = _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
+        return await self._call(request, "exec", _steps.exec_of(body), _steps.exec_result)
 
     async def _exec_events(self, body: bytes, timeout_s: float) -> AsyncGenerator[ExecEvent, None]:
         client = self._client
         request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
-        async with contextlib.aclosing(client._lines(request)) as lines:
-            ended = False
-            async for line in lines:
-                if ended:
-                    raise Internal("the exec stream went on after its result event")
-                event = _core.parse_exec_event(line)
-                ended = event.type == "result"
-                yield event
-            if not ended:  # read to the end, so the connection is reused
-                raise Internal("the exec stream ended without a result event")
+        steps, step = self._steps, -1
+        if steps is not None:
+            step, entry = steps.take("exec", _steps.exec_of(body))
+            if entry is not None:
+                for logged in _steps.exec_events(entry):
+                    yield logged
+                return
+            request = _steps.with_step(request, step)
+        ended = False
+        try:
+            async with contextlib.aclosing(client._lines(request)) as lines:
+                async for line in lines:
+                    if ended:
+                        raise Internal("the exec stream went on after its result event")
+                    event = _core.parse_exec_event(line)
+                    ended = event.type == "result"
+                    yield event
+                if not ended:  # read to the end, so the connection is reused
+                    raise Internal("the exec stream ended without a result event")
+        except BaseException:
+            if steps is not None and not ended:
+                steps.undo(step)  # no result: the node left the step free
+            raise
 
     # ----------------------------------------------------------------- processes
 
@@ -576,7 +721,8 @@ class AsyncSandbox:
             close_stdin=close_stdin,
             max_output_bytes=max_output_bytes,
         )
-        return AsyncProcess(self, await self._client._send(request))
+        fields = _steps.spawn_of(request.body or b"")
+        return AsyncProcess(self, await self._call(request, "spawn", fields, _steps.process_info))
 
     async def processes(self) -> builtins.list[ProcessInfo]:
         """Every spawned process of the sandbox not yet removed, running or ended.
@@ -597,6 +743,95 @@ class AsyncSandbox:
         """Fetch the sandbox's current record, store it in :attr:`info` and return it."""
         self._info = await self._client._send(_core.get_request(self._sandbox_id()))
         return self._info
+
+    async def pause(self) -> None:
+        """Freeze the sandbox: its memory and processes stay, it uses no CPU. Idempotent.
+
+        Any later call on it (exec, files, processes, ...) resumes it first,
+        transparently; :meth:`resume` does so explicitly. Its TTL and idle TTL
+        keep running while it is paused. Updates :attr:`info`.
+        Raises ``NotFound`` (gone), ``FailedPrecondition`` (still being
+        created; a kind that cannot pause), ``Unavailable`` (its node is
+        unreachable), ``Internal`` (the freeze did not complete; it was left
+        running: retry).
+        """
+        self._info = await self._client._send(_core.pause_request(self._sandbox_id()))
+
+    async def resume(self) -> None:
+        """Thaw a paused sandbox (a running one is left as it is). Errors as :meth:`pause`."""
+        self._info = await self._client._send(_core.resume_request(self._sandbox_id()))
+
+    async def set_lifetime(
+        self, *, ttl_s: float | None = _core.KEEP, idle_ttl_s: float | None = _core.KEEP
+    ) -> SandboxInfo:
+        """Change the sandbox's lifetimes, counted from now; an argument left out is kept.
+
+        ``ttl_s``: the hard TTL now ends this many seconds from now (None: no
+        TTL); ``idle_ttl_s``: reclaimed after this many seconds without a call
+        (None: never). Both in (0, 2592000] seconds (30 days). Returns (and
+        stores in :attr:`info`) the new record, ``expires_at`` in Unix seconds.
+        Raises ``InvalidArgument`` (neither given, out of range; before any
+        request), ``NotFound`` (gone), ``Unavailable``.
+        """
+        request = _core.lifetime_request(self._sandbox_id(), ttl_s, idle_ttl_s)
+        self._info = await self._client._send(request)
+        return self._info
+
+    async def snapshot(self, image: str | None = None, exclude: Sequence[str] | None = None) -> str:
+        """Pack the sandbox's changes into a new image and return its ``name:tag``.
+
+        The image is the sandbox's layers plus a ``diff`` layer of its writable
+        layer, taken with the sandbox frozen for the copy (a consistent instant;
+        it runs on after). Files added, changed, chmod'ed or deleted, symlinks
+        and replaced directories all carry over; so do the sandbox's env and
+        workdir. ``client.create(image=ref)`` starts sandboxes from it, and a
+        snapshot of one of those stacks one more layer. ``image`` names it
+        (``name:tag``; default ``snapshot/<sandbox id>:<n>``, n = 1, 2, ...).
+        ``exclude`` lists glob patterns of absolute paths left out (``*``/``?``
+        within a segment, a ``**`` segment spans any number): default
+        :data:`~sandfleet.wire.models.SNAPSHOT_EXCLUDE` (/tmp/*, caches,
+        __pycache__); ``[]`` keeps everything. A path left out is as in the
+        sandbox's image.
+
+        Raises ``InvalidArgument`` (a bad pattern or name), ``AlreadyExists``
+        (that image exists: pick another name or tag), ``FailedPrecondition``
+        (the sandbox is busy, e.g. in another snapshot: retry), ``NotFound``,
+        ``ResourceExhausted`` (the image store's disk is full).
+        """
+        request = _snapshot.snapshot_request(self._sandbox_id(), image, exclude)
+        return (await self._client._send(request)).ref
+
+    async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes, each an independent copy of this one's current state.
+
+        A :meth:`snapshot` (default name and excludes), then ``n`` creates
+        from it in parallel, with this sandbox's kind, limits, labels, env and
+        idle TTL; each copy's TTL ends when this one's does. All or nothing:
+        if any create fails, the copies made are destroyed and the first
+        error is raised (same class, e.g. ``ResourceExhausted``: retry later).
+        The snapshot image stays (``client.images()``). ``n``: 1 to 64.
+        """
+        _snapshot.check_fork_count(n)
+        client = self._client
+        info = await self.refresh()
+        image = await self.snapshot()
+        creates = [
+            asyncio.ensure_future(client._create(r))
+            for r in _snapshot.fork_requests(info, image, n)
+        ]
+        try:
+            await asyncio.shield(asyncio.gather(*creates, return_exceptions=True))
+        except asyncio.CancelledError:
+            for create in creates:  # none may outlive a cancelled fork
+                create.add_done_callback(client._destroy_when_created)
+                client._keep(create)
+            raise
+        errors = [e for c in creates if (e := c.exception()) is not None]
+        made = [c.result() for c in creates if c.exception() is None]
+        if errors:
+            await asyncio.gather(*(client._destroy_shielded(s) for s in made))
+            raise _snapshot.fork_error(errors, n, image)
+        return made
 
     async def destroy(self) -> None:
         """Destroy the sandbox. Idempotent: later calls, and a sandbox already gone, are no-ops."""
@@ -673,7 +908,10 @@ class AsyncProcess:
         With SIGKILL it returns once the whole tree is gone (state ``killed``).
         Raises ``InvalidArgument`` for a number outside 1-64.
         """
-        return await self._update(_core.kill_request(self._sid(), self.id, signal))
+        request = _core.kill_request(self._sid(), self.id, signal)
+        fields = _steps.plain(process_id=self.id, signal=int(signal))
+        self._info = await self._sandbox._call(request, "kill", fields, _steps.process_info)
+        return self._info
 
     async def write_stdin(self, data: bytes | str) -> None:
         """Write ``data`` (str is UTF-8 encoded) to the process's stdin.
@@ -681,11 +919,15 @@ class AsyncProcess:
         Returns once it is in the pipe. Raises ``FailedPrecondition`` if stdin
         was closed or the process ended.
         """
-        await self._sandbox._client._send(_core.stdin_request(self._sid(), self.id, data))
+        request = _core.stdin_request(self._sid(), self.id, data)
+        fields = _steps.stdin_of(self.id, data)
+        await self._sandbox._call(request, "stdin", fields, _steps.nothing)
 
     async def close_stdin(self) -> None:
         """Close the process's stdin: it reads EOF once it has consumed what was written."""
-        await self._sandbox._client._send(_core.close_stdin_request(self._sid(), self.id))
+        request = _core.close_stdin_request(self._sid(), self.id)
+        fields = _steps.plain(process_id=self.id)
+        await self._sandbox._call(request, "close_stdin", fields, _steps.nothing)
 
     async def read_output(self, stream: str = "stdout", offset: int = 0) -> OutputChunk:
         """The output of ``stream`` (``stdout``/``stderr``) from byte ``offset`` up to now.
@@ -718,7 +960,9 @@ class AsyncProcess:
 
         Raises ``FailedPrecondition`` while it runs (:meth:`kill` or :meth:`wait` first).
         """
-        await self._sandbox._client._send(_core.remove_process_request(self._sid(), self.id))
+        request = _core.remove_process_request(self._sid(), self.id)
+        fields = _steps.plain(process_id=self.id)
+        await self._sandbox._call(request, "remove_process", fields, _steps.nothing)
 
 
 class AsyncFiles:
@@ -747,7 +991,9 @@ class AsyncFiles:
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
         """Create or replace a file with ``data`` (str is UTF-8 encoded); ``mode`` as chmod."""
-        return await self._send(_core.write_request(self._sandbox._sandbox_id(), path, mode, data))
+        request = _core.write_request(self._sandbox._sandbox_id(), path, mode, data)
+        fields = _steps.write_of(path, mode, data)
+        return await self._sandbox._call(request, "write", fields, _steps.file_entry)
 
     async def list(self, path: str = "/") -> builtins.list[FileEntry]:
         """The entries of a directory."""
@@ -759,11 +1005,15 @@ class AsyncFiles:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a directory (non-empty ones only with ``recursive=True``)."""
-        await self._send(_core.remove_request(self._sandbox._sandbox_id(), path, recursive))
+        request = _core.remove_request(self._sandbox._sandbox_id(), path, recursive)
+        fields = _steps.plain(path=path, recursive=bool(recursive))
+        await self._sandbox._call(request, "remove", fields, _steps.nothing)
 
     async def mkdir(self, path: str, parents: bool = True) -> FileEntry:
         """Create a directory (and missing parents unless ``parents=False``)."""
-        return await self._send(_core.mkdir_request(self._sandbox._sandbox_id(), path, parents))
+        request = _core.mkdir_request(self._sandbox._sandbox_id(), path, parents)
+        fields = _steps.plain(path=path, parents=bool(parents))
+        return await self._sandbox._call(request, "mkdir", fields, _steps.file_entry)
 
     async def upload(
         self, local_path: str | os.PathLike[str], remote_path: str, mode: int = 0o644
@@ -773,8 +1023,10 @@ class AsyncFiles:
         A local file that cannot be read raises the usual ``OSError``.
         """
         request = _core.write_request(self._sandbox._sandbox_id(), remote_path, mode)
+        fields = _steps.upload_of(local_path, remote_path, mode)
         with open(local_path, "rb") as file:
-            return await self._send(request, _AsyncChunks(file))
+            chunks = _AsyncChunks(file)
+            return await self._sandbox._call(request, "write", fields, _steps.file_entry, chunks)
 
     async def download(self, remote_path: str, local_path: str | os.PathLike[str]) -> int:
         """Copy a file out of the sandbox, streamed in chunks; returns the bytes written.

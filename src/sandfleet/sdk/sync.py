@@ -19,19 +19,28 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 
-from sandfleet.sdk import _core
+from sandfleet.sdk import _core, _snapshot, _steps
 from sandfleet.sdk.client import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox
-from sandfleet.wire.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
+from sandfleet.wire.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    SandfleetError,
+)
 from sandfleet.wire.models import (
     ExecEvent,
     ExecResult,
     FileEntry,
+    GroupResult,
     ImageManifest,
+    LogEntry,
     NodeInfo,
     OutputChunk,
     PoolInfo,
@@ -136,8 +145,9 @@ class Client:
         ttl_s: float | None = 3600.0,
         labels: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
+        idle_ttl_s: float | None = None,
     ) -> Sandbox:
-        return Sandbox(
+        return _logging(
             self,
             self._send(
                 _core.create_request(
@@ -151,12 +161,24 @@ class Client:
                     ttl_s=ttl_s,
                     labels=labels,
                     env=env,
+                    idle_ttl_s=idle_ttl_s,
                 )
             ),
         )
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self, self._send(_core.get_request(sandbox_id)))
+
+    def attach(self, sandbox_id: str, *, resume_from_log: bool = False) -> Sandbox:
+        info = self._send(_core.get_request(sandbox_id))
+        tail = None if resume_from_log else 1
+        entries = self._send(_steps.log_request(sandbox_id, tail=tail))
+        sandbox = Sandbox(self, info)
+        if resume_from_log:
+            sandbox._steps = _steps.Steps(0, entries)
+        else:
+            sandbox._steps = _steps.Steps(entries[-1].step + 1 if entries else 0)
+        return sandbox
 
     def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
         return self._send(_core.list_request(labels))
@@ -256,11 +278,17 @@ class Client:
             if max_output_bytes is None
             else max_output_bytes,
         )  # fmt: skip
-        sandbox = Sandbox(self, self._send(create))
+        sandbox = _logging(self, self._send(create))
         try:
             return _core.as_run_result(sandbox._exec(body, timeout_s))
         finally:
             sandbox.destroy()
+
+    def pause(self, *, labels: Mapping[str, str]) -> GroupResult:
+        return self._send(_core.group_request("pause", labels))
+
+    def resume(self, *, labels: Mapping[str, str]) -> GroupResult:
+        return self._send(_core.group_request("resume", labels))
 
     def images(self) -> builtins.list[ImageManifest]:
         return self._send(_core.images_request())
@@ -327,6 +355,7 @@ class Sandbox:
         self._client = client
         self._info = info
         self._destroyed = False
+        self._steps: _steps.Steps | None = None
         self.files = Files(self)
         """File operations inside the sandbox."""
 
@@ -334,6 +363,56 @@ class Sandbox:
     def id(self) -> str:
         """The sandbox's id."""
         return self._info.id
+
+    @property
+    def step(self) -> int | None:
+        """The step number this handle gives its next logged call; None if it logs none.
+
+        Handles of :meth:`Client.create` and :meth:`Client.attach` log their
+        calls; those of :meth:`Client.get` do not.
+        """
+        return None if self._steps is None else self._steps.next
+
+    def log(self, start: int = 0) -> builtins.list[LogEntry]:
+        return self._client._send(_steps.log_request(self._sandbox_id(), start))
+
+    def _call(
+        self,
+        request: _core.Request[T],
+        op: str,
+        fields: _steps.Fields,
+        answer: Callable[[LogEntry], T],
+        content: Any = None,
+    ) -> T:
+        """Send a call the trajectory log records: numbered, or answered from a fetched log."""
+        steps = self._steps
+        if steps is None:
+            return self._client._send(request, content)
+        step, entry = steps.take(op, fields)
+        if entry is not None:
+            return answer(entry)
+        try:
+            return self._client._send(_steps.with_step(request, step), content)
+        except SandfleetError as exc:
+            if exc.retryable:  # the call may still run on the node: settle as below
+                self._settle(step)
+            else:
+                steps.undo(step)  # the node refused it and left the step free
+            raise
+        except BaseException:
+            # Interrupted (KeyboardInterrupt): the node runs a logged call on when
+            # its caller goes away; stop it, and learn whether it ended first.
+            self._settle(step)
+            raise
+
+    def _settle(self, step: int) -> None:
+        steps = self._steps
+        assert steps is not None
+        try:
+            state = self._client._send(_steps.cancel_request(self.id, step))
+        except Exception:
+            state = "logged"  # unknown: leave the step taken; a gap beats a second run
+        steps.settle(step, state)
 
     @property
     def info(self) -> SandboxInfo:
@@ -406,23 +485,34 @@ class Sandbox:
 
     def _exec(self, body: bytes, timeout_s: float) -> ExecResult:
         client = self._client
-        return client._send(
-            _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
-        )
+        request = _core.exec_request(client._settings, self._sandbox_id(), body, timeout_s)
+        return self._call(request, "exec", _steps.exec_of(body), _steps.exec_result)
 
     def _exec_events(self, body: bytes, timeout_s: float) -> Generator[ExecEvent, None, None]:
         client = self._client
         request = _core.exec_stream_request(client._settings, self._sandbox_id(), body, timeout_s)
-        with contextlib.closing(client._lines(request)) as lines:
-            ended = False
-            for line in lines:
-                if ended:
-                    raise Internal("the exec stream went on after its result event")
-                event = _core.parse_exec_event(line)
-                ended = event.type == "result"
-                yield event
-            if not ended:  # read to the end, so the connection is reused
-                raise Internal("the exec stream ended without a result event")
+        steps, step = self._steps, -1
+        if steps is not None:
+            step, entry = steps.take("exec", _steps.exec_of(body))
+            if entry is not None:
+                yield from _steps.exec_events(entry)
+                return
+            request = _steps.with_step(request, step)
+        ended = False
+        try:
+            with contextlib.closing(client._lines(request)) as lines:
+                for line in lines:
+                    if ended:
+                        raise Internal("the exec stream went on after its result event")
+                    event = _core.parse_exec_event(line)
+                    ended = event.type == "result"
+                    yield event
+                if not ended:  # read to the end, so the connection is reused
+                    raise Internal("the exec stream ended without a result event")
+        except BaseException:
+            if steps is not None and not ended:
+                steps.undo(step)  # no result: the node left the step free
+            raise
 
     def spawn(
         self,
@@ -447,7 +537,8 @@ class Sandbox:
             close_stdin=close_stdin,
             max_output_bytes=max_output_bytes,
         )
-        return Process(self, self._client._send(request))
+        fields = _steps.spawn_of(request.body or b"")
+        return Process(self, self._call(request, "spawn", fields, _steps.process_info))
 
     def processes(self) -> builtins.list[ProcessInfo]:
         return self._client._send(_core.processes_request(self._sandbox_id()))
@@ -460,6 +551,42 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         self._info = self._client._send(_core.get_request(self._sandbox_id()))
         return self._info
+
+    def pause(self) -> None:
+        self._info = self._client._send(_core.pause_request(self._sandbox_id()))
+
+    def resume(self) -> None:
+        self._info = self._client._send(_core.resume_request(self._sandbox_id()))
+
+    def set_lifetime(
+        self, *, ttl_s: float | None = _core.KEEP, idle_ttl_s: float | None = _core.KEEP
+    ) -> SandboxInfo:
+        request = _core.lifetime_request(self._sandbox_id(), ttl_s, idle_ttl_s)
+        self._info = self._client._send(request)
+        return self._info
+
+    def snapshot(self, image: str | None = None, exclude: Sequence[str] | None = None) -> str:
+        request = _snapshot.snapshot_request(self._sandbox_id(), image, exclude)
+        return self._client._send(request).ref
+
+    def fork(self, n: int) -> builtins.list[Sandbox]:
+        _snapshot.check_fork_count(n)
+        client = self._client
+        info = self.refresh()
+        image = self.snapshot()
+        requests = _snapshot.fork_requests(info, image, n)
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sandfleet-fork") as pool:
+            futures = [pool.submit(client._send, r) for r in requests]
+            wait(futures)
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        # New sandboxes: their calls are logged from step 0, like create()'s.
+        made = [_logging(client, f.result()) for f in futures if f.exception() is None]
+        if errors:
+            for sandbox in made:
+                with contextlib.suppress(Exception):
+                    sandbox.destroy()
+            raise _snapshot.fork_error(errors, n, image)
+        return made
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -521,13 +648,19 @@ class Process:
         return self._update(_core.wait_request(client._settings, self._sid(), self.id, timeout_s))
 
     def kill(self, signal: int = 9) -> ProcessInfo:
-        return self._update(_core.kill_request(self._sid(), self.id, signal))
+        request = _core.kill_request(self._sid(), self.id, signal)
+        fields = _steps.plain(process_id=self.id, signal=int(signal))
+        self._info = self._sandbox._call(request, "kill", fields, _steps.process_info)
+        return self._info
 
     def write_stdin(self, data: bytes | str) -> None:
-        self._sandbox._client._send(_core.stdin_request(self._sid(), self.id, data))
+        request = _core.stdin_request(self._sid(), self.id, data)
+        self._sandbox._call(request, "stdin", _steps.stdin_of(self.id, data), _steps.nothing)
 
     def close_stdin(self) -> None:
-        self._sandbox._client._send(_core.close_stdin_request(self._sid(), self.id))
+        request = _core.close_stdin_request(self._sid(), self.id)
+        fields = _steps.plain(process_id=self.id)
+        self._sandbox._call(request, "close_stdin", fields, _steps.nothing)
 
     def read_output(self, stream: str = "stdout", offset: int = 0) -> OutputChunk:
         request = _core.read_output_request(self._sid(), self.id, stream, offset)
@@ -541,7 +674,9 @@ class Process:
                 yield _core.parse_chunk_line(line)
 
     def remove(self) -> None:
-        self._sandbox._client._send(_core.remove_process_request(self._sid(), self.id))
+        request = _core.remove_process_request(self._sid(), self.id)
+        fields = _steps.plain(process_id=self.id)
+        self._sandbox._call(request, "remove_process", fields, _steps.nothing)
 
 
 class Files:
@@ -562,7 +697,9 @@ class Files:
         return self._send(_core.read_request(self._sandbox._sandbox_id(), path, max_bytes))
 
     def write(self, path: str, data: bytes | str, mode: int = 0o644) -> FileEntry:
-        return self._send(_core.write_request(self._sandbox._sandbox_id(), path, mode, data))
+        request = _core.write_request(self._sandbox._sandbox_id(), path, mode, data)
+        fields = _steps.write_of(path, mode, data)
+        return self._sandbox._call(request, "write", fields, _steps.file_entry)
 
     def list(self, path: str = "/") -> builtins.list[FileEntry]:
         return self._send(_core.list_dir_request(self._sandbox._sandbox_id(), path))
@@ -571,17 +708,23 @@ class Files:
         return self._send(_core.stat_request(self._sandbox._sandbox_id(), path))
 
     def remove(self, path: str, recursive: bool = False) -> None:
-        self._send(_core.remove_request(self._sandbox._sandbox_id(), path, recursive))
+        request = _core.remove_request(self._sandbox._sandbox_id(), path, recursive)
+        fields = _steps.plain(path=path, recursive=bool(recursive))
+        self._sandbox._call(request, "remove", fields, _steps.nothing)
 
     def mkdir(self, path: str, parents: bool = True) -> FileEntry:
-        return self._send(_core.mkdir_request(self._sandbox._sandbox_id(), path, parents))
+        request = _core.mkdir_request(self._sandbox._sandbox_id(), path, parents)
+        fields = _steps.plain(path=path, parents=bool(parents))
+        return self._sandbox._call(request, "mkdir", fields, _steps.file_entry)
 
     def upload(
         self, local_path: str | os.PathLike[str], remote_path: str, mode: int = 0o644
     ) -> FileEntry:
         request = _core.write_request(self._sandbox._sandbox_id(), remote_path, mode)
+        fields = _steps.upload_of(local_path, remote_path, mode)
         with open(local_path, "rb") as file:
-            return self._send(request, iter(functools.partial(file.read, _core.CHUNK_BYTES), b""))
+            chunks = iter(functools.partial(file.read, _core.CHUNK_BYTES), b"")
+            return self._sandbox._call(request, "write", fields, _steps.file_entry, chunks)
 
     def download(self, remote_path: str, local_path: str | os.PathLike[str]) -> int:
         request = _core.read_request(self._sandbox._sandbox_id(), remote_path)
@@ -598,6 +741,13 @@ class Files:
                 for chunk in response.iter_bytes(_core.CHUNK_BYTES):
                     out.write(chunk)
         return out.size
+
+
+def _logging(client: Client, info: SandboxInfo) -> Sandbox:
+    """A handle whose calls go to the sandbox's trajectory log from step 0 (a new sandbox)."""
+    sandbox = Sandbox(client, info)
+    sandbox._steps = _steps.Steps()
+    return sandbox
 
 
 def _copy_docs(sync_cls: type, async_cls: type) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "NodeCreateRequest",
     "NodeHeartbeat",
     "NodeInfo",
+    "NodeRegistered",
     "NodeRegistration",
     "OutputChunk",
     "PoolConfig",
@@ -627,3 +628,12 @@ class NodeInfo(WireResponse):
     cpu_reserved: float = 0.0
     last_heartbeat: float = 0.0
     healthy: bool = True
+
+
+class NodeRegistered(NodeInfo):
+    """The answer to a node's registration: its record, and what it must destroy."""
+
+    unknown_sandboxes: list[str] = Field(
+        default_factory=list,
+        description="Ids the node reported that the control plane has no live record of.",
+    )

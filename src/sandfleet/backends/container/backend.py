@@ -42,7 +42,7 @@ import resource
 import shutil
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,11 +51,13 @@ from sandfleet.backends.base import BoxHandle, BoxInit, SandboxSpec
 from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
 from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages
+from sandfleet.backends.container.freezer import Freezer
 from sandfleet.backends.container.layers import LayerCache
 from sandfleet.backends.container.netns import ensure_loopback_up_async
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
 from sandfleet.wire.errors import (
     AlreadyExists,
+    FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
@@ -160,6 +162,7 @@ class ContainerBackend:
         self.layers.adopt()
         self.disks = DiskImages(self.state_dir / "disk-templates")
         self.cgroups: CgroupLayout = detect_layout()
+        self.freezer = Freezer(self.cgroups)
         self._boxes: dict[str, _Box] = {}
         self._busy: set[str] = set()  # ids with a create or destroy in flight
         self._memory_max_mb = _host_memory_mb()
@@ -317,7 +320,9 @@ class ContainerBackend:
             name, point = self.layers.acquire(layer)
             box.layers.append(name)
             lowers.append(str(point))
-        (bundle / "sandbox.json").write_text(json.dumps({"id": spec.id, "layers": box.layers}))
+        # "files": the layer files stacked, bottom first (what a snapshot stacks on).
+        record = {"id": spec.id, "layers": box.layers, "files": [str(p) for p in spec.layers]}
+        (bundle / "sandbox.json").write_text(json.dumps(record))
         if spec.init is not None:
             # On a read-only root the mount points must exist below: a top layer
             # of them (which also gives overlayfs the two lower layers it needs).
@@ -486,6 +491,8 @@ class ContainerBackend:
         if box.pidfd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(box.pidfd, signal.SIGKILL)
+            # A paused box dies once thawed: it wakes with SIGKILL pending, running nothing.
+            self.freezer.thaw_now(f"/sandfleet/{box.id}")
             if init_dead := await _wait_fd(box.pidfd, 1.0):
                 # Reap it if it is our child (the node agent may be a child
                 # subreaper); otherwise its parent, usually PID 1, does.
@@ -495,6 +502,7 @@ class ContainerBackend:
             box.pidfd = None
         runc_state = self.runc_root / box.id
         if runc_state.exists() and not init_dead:
+            self.freezer.thaw_now(f"/sandfleet/{box.id}")  # runc cannot kill a frozen box
             rc, out = await self._runc("delete", "--force", box.id)
             if rc != 0 and "does not exist" not in out:
                 problems.append(f"runc delete: {out.strip()}")
@@ -530,6 +538,73 @@ class ContainerBackend:
         )  # fmt: skip
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ pause
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the box (cgroup freezer): its memory stays, it uses no CPU.
+
+        Idempotent. Raises ``NotFound`` for a box this backend does not run,
+        ``FailedPrecondition`` while it is being created or destroyed, and
+        ``Internal`` when the freeze does not complete (the box is left running).
+        """
+        await self.freezer.freeze(self._cgroup_of_running(sandbox_id))
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Thaw a paused box. Idempotent (a running box is left as it is).
+
+        Raises ``NotFound``, ``FailedPrecondition`` and ``Internal`` as :meth:`pause` does.
+        """
+        await self.freezer.thaw(self._cgroup_of_running(sandbox_id))
+
+    def paused(self, sandbox_id: str) -> bool:
+        """Whether the box is frozen (False for an unknown box)."""
+        if not _ID_RE.match(sandbox_id):
+            return False
+        return self.freezer.frozen(f"/sandfleet/{sandbox_id}")
+
+    def _cgroup_of_running(self, sandbox_id: str) -> str:
+        if sandbox_id in self._busy:
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id} is being created or destroyed: retry once it is running"
+            )
+        if sandbox_id not in self._boxes:
+            raise NotFound(f"sandbox {sandbox_id} does not exist on this node")
+        return f"/sandfleet/{sandbox_id}"
+
+    # ------------------------------------------------------------------ snapshot
+
+    async def snapshot(
+        self, sandbox_id: str, out_file: Path, exclude_regex: Sequence[str] = ()
+    ) -> list[Path] | None:
+        """Pack the box's writable layer into the EROFS file ``out_file``, frozen meanwhile.
+
+        ``exclude_regex`` as for :func:`~sandfleet.images.erofs.pack_erofs`.
+        Returns the layer files the box was started from, bottom first (None
+        for a box created before they were recorded). A destroy meanwhile waits
+        for the end. Raises ``NotFound``, ``FailedPrecondition`` (being created
+        or destroyed, or in another snapshot; no writable layer) and what
+        :func:`sandfleet.backends.container.snapshot.pack_upper` raises.
+        """
+        from sandfleet.backends.container.snapshot import pack_upper
+
+        if sandbox_id in self._busy:
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id} is being created, destroyed or snapshotted: retry later"
+            )
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            raise NotFound(f"sandbox {sandbox_id} does not exist on this node")
+        try:
+            files = json.loads((box.bundle / "sandbox.json").read_text()).get("files")
+        except (OSError, ValueError, AttributeError):
+            files = None
+        self._busy.add(sandbox_id)  # destroy waits; create, pause and recover keep off
+        try:
+            await pack_upper(self.freezer, sandbox_id, box.bundle, out_file, exclude_regex)
+        finally:
+            self._busy.discard(sandbox_id)
+        return None if files is None else [Path(f) for f in files]
 
     # ------------------------------------------------------------------ queries
 
@@ -567,7 +642,11 @@ class ContainerBackend:
         """
         self.layers.adopt()
         for tmp in self.disks.root.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+            # Half-made templates: files, or the directory trees they are made from.
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
         await self._kill_stray_runc()
         # stdout alone: runc warns on stderr about state dirs without state.json
         rc, out = await self._runc("list", "--format", "json", stderr=False)

@@ -41,7 +41,7 @@ class Store(Protocol):
         *,
         labels: dict[str, str] | None = None,
         node_id: str | None = None,
-        states: tuple[SandboxState, ...] = ("creating", "running"),
+        states: tuple[SandboxState, ...] = ("creating", "running", "paused"),
     ) -> list[SandboxInfo]:
         """Sandboxes in ``states`` whose labels include every pair in ``labels``."""
         ...

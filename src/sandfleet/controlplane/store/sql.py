@@ -119,7 +119,7 @@ class SqlStore:
         *,
         labels: dict[str, str] | None = None,
         node_id: str | None = None,
-        states: tuple[SandboxState, ...] = ("creating", "running"),
+        states: tuple[SandboxState, ...] = ("creating", "running", "paused"),
     ) -> list[SandboxInfo]:
         q = sa.select(_sandboxes.c.doc).where(_sandboxes.c.state.in_(states))
         if node_id is not None:
@@ -133,7 +133,7 @@ class SqlStore:
 
     def expired_sandboxes(self, now: float) -> list[SandboxInfo]:
         q = sa.select(_sandboxes.c.doc).where(
-            _sandboxes.c.state.in_(("creating", "running")),
+            _sandboxes.c.state.in_(("creating", "running", "paused")),
             _sandboxes.c.expires_at.is_not(None),
             _sandboxes.c.expires_at < now,
         )
