@@ -284,7 +284,8 @@ async def reap_idle(cp: ControlPlane, now: float | None = None) -> int:
 # ---------------------------------------------------------------------- HTTP
 
 
-def _cp_of(request: Request) -> ControlPlane:
+async def _cp_of(request: Request) -> ControlPlane:
+    # async: FastAPI runs a plain-def dependency in a thread, a hop per request.
     cp: ControlPlane = request.app.state.cp
     return cp
 

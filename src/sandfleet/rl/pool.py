@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sandfleet.sdk import AsyncClient, AsyncSandbox
+from sandfleet.sdk._steps import ABANDON, Abandon
 from sandfleet.wire.errors import FailedPrecondition, SandfleetError
 
 __all__ = ["EpisodeFn", "Preempted", "RolloutPool", "RolloutStats"]
@@ -111,7 +112,10 @@ class RolloutPool(Generic[T, R]):
         every sandbox of the job is destroyed. A signal in ``pause_on`` (say
         SIGTERM from a preemptible node's notice) pauses them and raises
         :class:`Preempted`; cancellation leaves them as they are (a new driver
-        carries on). Any other error destroys them and is raised.
+        carries on). Either way the calls in flight are abandoned, not
+        cancelled: they finish and are logged, and the next driver's re-issue
+        of each gets its result instead of running it again. Any other error
+        destroys them and is raised.
         """
         left = await self._left_by_earlier_driver()
         gate = asyncio.Semaphore(self.concurrency)
@@ -129,20 +133,36 @@ class RolloutPool(Generic[T, R]):
                 on_done(index, result)
             return result
 
-        batch = asyncio.ensure_future(asyncio.gather(*(one(i, it) for i, it in enumerate(items))))
+        # Calls in flight when the driver goes away are abandoned, not cancelled:
+        # they finish and are logged, and the next driver's re-issue gets their result.
+        abandon = Abandon()
+        token = ABANDON.set(abandon)
+        try:
+            batch = asyncio.ensure_future(
+                asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
+            )
+        finally:
+            ABANDON.reset(token)
         preempted = asyncio.Event()
         loop = asyncio.get_running_loop()
 
         def going_away() -> None:
             preempted.set()
+            abandon.active = True
             batch.cancel()
 
         for sig in pause_on:
             loop.add_signal_handler(sig, going_away)
         try:
             with bar if bar is not None else contextlib.nullcontext():
-                results = await batch
+                # Shielded: a cancelled run must mark its calls abandoned before
+                # they see the cancellation (else each would stop its command).
+                results = await asyncio.shield(batch)
         except asyncio.CancelledError:
+            abandon.active = True
+            batch.cancel()
+            with contextlib.suppress(BaseException):
+                await batch
             if not preempted.is_set():
                 raise
             paused = await self.pause()

@@ -16,6 +16,7 @@ server as usual.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import os
@@ -40,6 +41,24 @@ T = TypeVar("T")
 
 Fields = Callable[[], dict[str, Any]]
 """The identifying fields of a call, computed only when a fetched log must be checked."""
+
+
+class Abandon:
+    """Set ``active`` before cancelling tasks that run in this context: their logged
+    calls are then abandoned, not cancelled — they run on to their end on the node
+    and are logged, for a later handle to pick up (see :data:`ABANDON`)."""
+
+    active = False
+
+
+#: Cancelling a task whose logged call is in flight normally stops the call on the
+#: node (its command is killed: the caller meant it). Under an active
+#: :class:`Abandon` the call is left to finish — what a driver going away wants,
+#: since a command killed half-way and run again by its successor would have run
+#: partly twice. :class:`sandfleet.rl.RolloutPool` sets one around its episodes.
+ABANDON: contextvars.ContextVar[Abandon | None] = contextvars.ContextVar(
+    "sandfleet_abandon", default=None
+)
 
 
 class Steps:

@@ -515,6 +515,9 @@ class AsyncSandbox:
         try:
             return await self._client._send(_steps.with_step(request, step), content)
         except asyncio.CancelledError:
+            abandon = _steps.ABANDON.get()
+            if abandon is not None and abandon.active:
+                raise  # left to finish and be logged, for the next driver
             # The node runs a logged call on when its caller goes away (a dead
             # trainer cannot say whether it meant to stop it): say so, and learn
             # whether the call ended first, before this handle numbers another.
