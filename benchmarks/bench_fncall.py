@@ -38,7 +38,7 @@ asserted. What is measured, and how:
    divided by the calls; and the minor page faults of the zygotes and of their reaped
    children (``minflt`` / ``cminflt``) per call.
 5. Memory per idle worker, last: the pool reconfigured to ``--idle-workers`` idle workers;
-   ``worker_rss_mb`` from ``client.pools()``, and from the host the RSS and PSS
+   ``worker_memory_mb`` from ``client.pools()``, and from the host the RSS and PSS
    (``/proc/<pid>/smaps_rollup``) of the processes in the workers' ``fw-*`` memory cgroups
    and the cgroups' ``memory.usage_in_bytes`` (v1) / ``memory.current`` (v2), per worker;
    and the host's (MemTotal - MemAvailable) growth from W to ``--idle-workers`` workers,
@@ -349,7 +349,7 @@ def pool_of(pools: list[PoolInfo]) -> list[PoolInfo]:
 
 
 def pool_row(p: PoolInfo) -> tuple[str, ...]:
-    rss = "—" if p.worker_rss_mb is None else f"{p.worker_rss_mb:.1f}"
+    rss = "—" if p.worker_memory_mb is None else f"{p.worker_memory_mb:.1f}"
     return (
         p.node_id,
         f"{p.min_workers}..{p.max_workers}",
@@ -805,7 +805,7 @@ class Bench:
         rss = sum(proc_kib(p, "status", "VmRSS") for p in pids)
         pss = sum(proc_kib(p, "smaps_rollup", "Pss") for p in pids)
         charge = sum(cgroup_charge(d) for d in groups) / 1024
-        rss_api = [p.worker_rss_mb for p in pools if p.worker_rss_mb is not None]
+        rss_api = [p.worker_memory_mb for p in pools if p.worker_memory_mb is not None]
         added = n - before_workers
         t = self.table(
             f"5. memory per idle worker: {n} idle workers ({len(pids)} processes in their "
@@ -816,7 +816,7 @@ class Bench:
         )
         api = statistics.fmean(rss_api) if rss_api else math.nan
         t.add_row(
-            "worker_rss_mb from client.pools()",
+            "worker_memory_mb from client.pools()",
             "—" if math.isnan(api) else f"{api:.2f} MiB",
             "",
         )

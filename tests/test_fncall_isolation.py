@@ -740,7 +740,7 @@ def test_pool_counters_count_calls(client: Client) -> None:
     assert after.calls == before.calls + 5, (before, after)
     assert (after.busy, after.queued, after.rejected) == (0, 0, before.rejected), after
     assert after.idle == 1 and (after.min_workers, after.max_workers) == (1, 1), after
-    assert after.node_id and after.worker_rss_mb and after.worker_rss_mb > 0, after
+    assert after.node_id and after.worker_memory_mb and after.worker_memory_mb > 0, after
 
 
 def test_min_workers_are_kept_warm_and_extra_ones_stop_when_idle(client: Client) -> None:

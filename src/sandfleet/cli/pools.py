@@ -58,7 +58,7 @@ def pools_table(infos: list[PoolInfo]) -> Table:
             p.node_id, p.image, p.language, str(p.idle), str(p.busy), str(p.starting),
             f"{p.queued}/{p.max_queue}", f"{p.min_workers}/{p.max_workers}", str(p.calls),
             str(p.replaced), str(p.rejected),
-            "-" if p.worker_rss_mb is None else f"{p.worker_rss_mb:.1f}",
+            "-" if p.worker_memory_mb is None else f"{p.worker_memory_mb:.1f}",
             p.last_error or "",
         )  # fmt: skip
     if not infos:

@@ -18,13 +18,15 @@ _DEFAULT_TIMEOUT_S = 30.0
 class NodeClients:
     """One pooled HTTP client for all node agents, authenticated with the cluster token."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, max_connections: int = 1024) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=_DEFAULT_TIMEOUT_S,
             limits=httpx.Limits(
-                max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0
+                max_connections=max_connections,
+                max_keepalive_connections=min(256, max_connections),
+                keepalive_expiry=30.0,
             ),
         )
 

@@ -69,7 +69,7 @@ class Pool:
         self.replaced = 0
         self.rejected = 0
         self.last_error: str | None = None
-        self.rss_mb: float | None = None
+        self.memory_mb: float | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._starts: set[asyncio.Future[None]] = set()
         self._closed = False
@@ -89,7 +89,7 @@ class Pool:
             calls=self.calls,
             replaced=self.replaced,
             rejected=self.rejected,
-            worker_rss_mb=self.rss_mb,
+            worker_memory_mb=self.memory_mb,
             last_error=self.last_error,
         )
 

@@ -211,15 +211,11 @@ class FnCallService:
         await self.backend.destroy(worker.id)
 
     def _measure(self, pool: Pool) -> None:
-        """Mean RSS of idle workers' zygotes, MiB (from /proc/<pid>/status)."""
-        sizes = []
-        for w in pool.idle:
-            with contextlib.suppress(OSError, ValueError):
-                for line in Path(f"/proc/{w.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        sizes.append(int(line.split()[1]) / 1024)
+        """Mean memory charge of the idle workers' cgroups, MiB."""
+        sizes = [self.backend.cgroups.memory_usage(f"/sandfleet/{w.id}") for w in pool.idle]
+        sizes = [s for s in sizes if s > 0]
         if sizes:
-            pool.rss_mb = round(sum(sizes) / len(sizes), 2)
+            pool.memory_mb = round(sum(sizes) / len(sizes) / (1 << 20), 2)
 
     # ------------------------------------------------------------------ calls
 

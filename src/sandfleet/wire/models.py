@@ -497,7 +497,11 @@ class PoolInfo(WireResponse):
     calls: int = 0
     replaced: int = Field(0, description="Workers replaced after a failure or an unclean call.")
     rejected: int = Field(0, description="Calls refused because the queue was full.")
-    worker_rss_mb: float | None = Field(None, description="Mean RSS of an idle worker, MiB.")
+    worker_memory_mb: float | None = Field(
+        None,
+        description="Mean memory charged to an idle worker's cgroup (its zygote and the"
+        " process forked ahead for the next call, shared pages once), MiB.",
+    )
     last_error: str | None = None
 
 
