@@ -13,7 +13,6 @@ import argparse
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,33 +22,11 @@ from rich.console import Console
 from rich.table import Table
 
 from sandfleet.cli.local import LocalDeployment
-from sandfleet.images import ImageStore, build_from_directory
+from sandfleet.images import ImageStore, build_busybox
 from sandfleet.node.leaks import leftovers
 from sandfleet.sdk import Client, Sandbox
 
 IMAGE = "bench/busybox:1"
-
-
-def busybox_image(images: Path) -> None:
-    """The busybox image of tests/conftest.py: busybox and its applets, passwd, group."""
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        sys.exit("busybox-static is needed: apt-get install busybox-static")
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        root = Path(tmp)
-        for d in ("bin", "sbin", "usr/bin", "usr/sbin", "tmp", "root", "etc", "proc", "sys", "dev"):
-            (root / d).mkdir(parents=True, exist_ok=True)
-        shutil.copy(busybox, root / "bin" / "busybox")
-        applets = subprocess.run(
-            [busybox, "--list"], capture_output=True, text=True, check=True
-        ).stdout.split()
-        for applet in applets:
-            if not (root / "bin" / applet).exists():
-                (root / "bin" / applet).symlink_to("busybox")
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-        (root / "etc" / "group").write_text("root:x:0:\n")
-        (root / "tmp").chmod(0o1777)
-        build_from_directory(ImageStore(images), IMAGE, root)
 
 
 def ms(samples: list[float]) -> str:
@@ -111,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     state = Path(tempfile.mkdtemp(prefix="bench-lifecycle-", dir="/var/tmp"))
-    busybox_image(state / "images")
+    build_busybox(ImageStore(state / "images"), IMAGE, log=lambda _: None)
     table = Table("what", "value", "method", title="sandfleet pause / resume")
     with LocalDeployment(state / "state", state / "images") as dep, Client(dep.url) as client:
         try:

@@ -37,7 +37,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,7 +51,7 @@ from rich.table import Table
 
 from sandfleet.backends.container.cgroups import detect_layout
 from sandfleet.cli.local import LocalDeployment
-from sandfleet.images import ImageStore, build_from_directory
+from sandfleet.images import ImageStore, build_from_directory, busybox_tree
 from sandfleet.node.leaks import leftovers
 from sandfleet.sdk import Client, Sandbox
 
@@ -64,23 +63,6 @@ SHAPES = {
     "10,000 x 10 KiB": "for d in $(seq 100); do mkdir -p /data/d$d; for i in $(seq 100); do"
     " head -c 10240 /dev/urandom > /data/d$d/f$i; done; done",
 }
-
-
-def busybox_tree(root: Path) -> None:
-    """A busybox root, as tests/conftest.py makes it."""
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        sys.exit("busybox-static is needed: apt-get install busybox-static")
-    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "tmp", "root", "etc", "proc", "sys", "dev"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy(busybox, root / "bin" / "busybox")
-    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True)
-    for applet in applets.stdout.split():
-        if not (root / "bin" / applet).exists():
-            (root / "bin" / applet).symlink_to("busybox")
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (root / "etc" / "group").write_text("root:x:0:\n")
-    (root / "tmp").chmod(0o1777)
 
 
 def freezer_file(sandbox_id: str) -> Path:

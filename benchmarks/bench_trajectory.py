@@ -31,7 +31,6 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,34 +41,12 @@ from rich.console import Console
 from rich.table import Table
 
 from sandfleet.cli.local import LocalDeployment
-from sandfleet.images import ImageStore, build_from_directory
+from sandfleet.images import ImageStore, build_busybox
 from sandfleet.node.leaks import leftovers
 from sandfleet.sdk import AsyncClient, Client
 from sandfleet.wire.models import REPLAYED_HEADER, STEP_HEADER
 
 IMAGE = "bench/busybox:1"
-
-
-def busybox_image(images: Path) -> None:
-    """The busybox image of tests/conftest.py: busybox and its applets, passwd, group."""
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        sys.exit("busybox-static is needed: apt-get install busybox-static")
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        root = Path(tmp)
-        for d in ("bin", "sbin", "usr/bin", "usr/sbin", "tmp", "root", "etc", "proc", "sys", "dev"):
-            (root / d).mkdir(parents=True, exist_ok=True)
-        shutil.copy(busybox, root / "bin" / "busybox")
-        applets = subprocess.run(
-            [busybox, "--list"], capture_output=True, text=True, check=True
-        ).stdout.split()
-        for applet in applets:
-            if not (root / "bin" / applet).exists():
-                (root / "bin" / applet).symlink_to("busybox")
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-        (root / "etc" / "group").write_text("root:x:0:\n")
-        (root / "tmp").chmod(0o1777)
-        build_from_directory(ImageStore(images), IMAGE, root)
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -153,7 +130,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-trajectory-", dir="/var/tmp"))
     state = root / "state"
     try:
-        busybox_image(root / "images")
+        build_busybox(ImageStore(root / "images"), IMAGE, log=lambda _: None)
         with LocalDeployment(state, root / "images") as dep, Client(dep.url) as client:
             sb = client.create(image=IMAGE, memory_mb=128)
             try:

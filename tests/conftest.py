@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sandfleet.cli.local import LocalDeployment
-from sandfleet.images import ImageStore, build_from_directory
+from sandfleet.images import ImageStore, build_from_directory, busybox_tree
 from sandfleet.node.leaks import leftovers
 
 #: Debian images take a minute to build; tests keep them here between runs.
@@ -20,36 +18,8 @@ BUSYBOX_IMAGE = "test/busybox:1"
 
 
 def _busybox_tree(root: Path) -> None:
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        pytest.fail("busybox-static is needed: apt-get install busybox-static")
-    for d in (
-        "bin",
-        "sbin",
-        "usr/bin",
-        "usr/sbin",
-        "tmp",
-        "root",
-        "etc",
-        "proc",
-        "sys",
-        "dev",
-        "work dir",
-    ):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy(busybox, root / "bin" / "busybox")
-    applets = subprocess.run(
-        [busybox, "--list"], capture_output=True, text=True, check=True
-    ).stdout.split()
-    for applet in applets:
-        link = root / "bin" / applet
-        if not link.exists():
-            link.symlink_to("busybox")
-    (root / "etc" / "passwd").write_text(
-        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
-    )
-    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
-    (root / "tmp").chmod(0o1777)
+    busybox_tree(root)
+    (root / "work dir").mkdir()  # a workdir with a space, for the tests of cwd
 
 
 @pytest.fixture(scope="session")

@@ -823,3 +823,47 @@ def test_sandfleet_pools_shows_the_pools(client: Client, fncall_dep: LocalDeploy
     assert fncall_dep.node_id in out.stdout and FNCALL_IMAGE in out.stdout, out.stdout
     for language in ("python", "bash", "cpp"):
         assert language in out.stdout, out.stdout
+
+
+def test_a_kill_a_call_survived_is_not_blamed_on_the_next_call(client: Client) -> None:
+    """A child OOM-killed while its call exits 0; the next call's failure is its own."""
+    survived = client.run(
+        "import subprocess, sys\n"
+        "r = subprocess.run([sys.executable, '-c', 'b = bytearray(600 << 20)'])\n"
+        "print(r.returncode)",
+        memory_mb=128,
+    )
+    assert survived.status == "exited" and survived.exit_code == 0, survived
+    assert survived.stdout == b"-9\n"
+    after = client.run("import sys; sys.exit(4)")
+    assert after.status == "exited" and after.exit_code == 4, after
+
+
+def test_a_cancelled_call_stops_on_the_server(client: Client, fncall_dep: LocalDeployment) -> None:
+    """Cancelling the caller stops the call: the one worker is free again at once."""
+
+    async def main() -> float:
+        async with AsyncClient(fncall_dep.url) as aclient:
+            slow = asyncio.ensure_future(aclient.run("import time; time.sleep(8)", kind="fncall"))
+            await asyncio.sleep(0.7)
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            started = time.monotonic()
+            after = await aclient.run("print('next')", kind="fncall", timeout_s=20)
+            assert after.stdout == b"next\n"
+            return time.monotonic() - started
+
+    assert asyncio.run(main()) < 5.0  # not the 7 s the slow call had left
+
+
+def test_a_calls_memory_does_not_depend_on_the_calls_before(client: Client) -> None:
+    """The same call gets the same room whatever the worker served before it."""
+    code = "import sys; print(len(sys.stdin.buffer.read()))"
+    big = b"z" * (20 << 20)
+    first = client.run(code, stdin=big)
+    for _ in range(3):
+        client.run("x = bytearray(100 << 20); print(1)")
+        again = client.run(code, stdin=big)
+        assert again.status == first.status == "exited", (first, again)
+        assert again.stdout == b"20971520\n"

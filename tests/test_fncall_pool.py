@@ -174,3 +174,25 @@ def test_reconfigure_stops_idle_workers_beyond_the_new_max() -> None:
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_broken_image_is_not_restarted_every_second() -> None:
+    async def run() -> None:
+        fleet = Fleet()
+        fleet.fail = FailedPrecondition("no python3 in the image")
+        pool = make(fleet, min_workers=1, max_workers=2)
+        attempts = 0
+
+        async def counting(p: Pool) -> Worker:
+            nonlocal attempts
+            attempts += 1
+            return await fleet.start(p)
+
+        pool._start = counting
+        for _ in range(10):  # ten upkeep rounds in quick succession
+            pool.trim()
+            await asyncio.sleep(0.05)
+        assert attempts <= 2, attempts  # the first, then the backoff (1 s, 2 s, ...)
+        await pool.close()
+
+    asyncio.run(run())

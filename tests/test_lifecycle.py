@@ -156,6 +156,18 @@ def test_idle_ttl_reclaims_after_no_calls_but_not_while_they_come(client: Client
     assert time.monotonic() - t0 >= 1.0
 
 
+def test_a_paused_sandbox_is_not_idle_and_its_idle_clock_restarts_at_resume(
+    client: Client,
+) -> None:
+    sb = client.create(image=BUSYBOX_IMAGE, memory_mb=64, idle_ttl_s=1.5)
+    sb.pause()
+    time.sleep(3.0)  # twice the idle TTL, paused: waiting for its trainer
+    assert not _gone(client, sb.id)
+    sb.resume()
+    assert sb.exec("echo back").stdout == b"back\n"
+    _eventually(lambda: _gone(client, sb.id), 10, "the resumed sandbox reclaimed when idle")
+
+
 def test_lifetimes_change_by_a_call(client: Client) -> None:
     sb = client.create(image=BUSYBOX_IMAGE, memory_mb=64, ttl_s=600)
     with pytest.raises(errors.InvalidArgument, match="ttl_s and/or idle_ttl_s"):

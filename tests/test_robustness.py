@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -143,3 +144,49 @@ def test_second_tester_defects_stay_fixed(deployment: LocalDeployment) -> None:
         assert free_mb < size_mb - 64, "the test needs a disk that is not empty"
         with pytest.raises(errors.ResourceExhausted, match="free disk"):
             client.create(image=BUSYBOX_IMAGE, disk_mb=(free_mb + size_mb) // 2)
+
+
+def test_up_killed_keeps_its_sandboxes_for_the_next_up(tmp_path: Path, images_dir: Path) -> None:
+    """A crash of `sandfleet up` is not a stop: its node agent keeps the sandboxes
+    (it gets SIGHUP, not SIGTERM), and the next `up` on the state dir adopts them."""
+    state = tmp_path / "state"
+    dep = LocalDeployment(state, images_dir).start()
+    with Client(dep.url) as client:
+        sb = client.create(image=BUSYBOX_IMAGE)
+        sb.exec("echo kept > /root/mark")
+    dep.kill()
+    again = LocalDeployment(state, images_dir)
+    again.node_id = dep.node_id
+    with again, Client(again.url) as client:
+        assert client.get(sb.id).exec("cat /root/mark").stdout == b"kept\n"
+    assert_clean(state)
+
+
+def test_up_starts_a_dead_node_agent_again(deployment: LocalDeployment) -> None:
+    with Client(deployment.url) as client:
+        sb = client.create(image=BUSYBOX_IMAGE)
+        node = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and f"--node-id\0{deployment.node_id}\0".encode() in _cmdline(p)
+            and b"\0node\0" in _cmdline(p)
+        ]
+        assert len(node) == 1, node
+        os.kill(node[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert sb.exec("echo alive").stdout == b"alive\n"
+                break
+            except (errors.Unavailable, errors.NotFound):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return b"\0" + (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -545,6 +545,8 @@ def test_fncall_arguments_checked_before_any_request(closed_url: str, flavor: st
             await aw(client.run(["echo", "1"], kind="fncall"))
         with pytest.raises(E.InvalidArgument, match="timeout_s"):
             await aw(client.run("1", kind="fncall", timeout_s=-1))
+        with pytest.raises(E.InvalidArgument, match="user, cpu apply to sandbox kinds only"):
+            await aw(client.run("1", kind="fncall", user="root", cpu=2))
         with pytest.raises(E.InvalidArgument, match="kind='fncall' only"):
             await aw(client.run("true", image="img", files={"a": b""}))
         with pytest.raises(E.InvalidArgument, match="needs an image"):

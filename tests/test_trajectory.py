@@ -40,8 +40,13 @@ APPEND = "echo once >> /root/count; wc -l < /root/count"
 def dep(tmp_path_factory: pytest.TempPathFactory, images_dir: Path) -> Iterator[LocalDeployment]:
     """One `sandfleet up` for the tests that do not restart anything."""
     state = tmp_path_factory.mktemp("trajectory") / "state"
-    with LocalDeployment(state, images_dir) as deployment:
-        yield deployment
+    # A short grace, so that the gap test does not wait the default 30 s.
+    os.environ["SANDFLEET_STEP_GAP_GRACE_S"] = "1"
+    try:
+        with LocalDeployment(state, images_dir) as deployment:
+            yield deployment
+    finally:
+        os.environ.pop("SANDFLEET_STEP_GAP_GRACE_S", None)
     assert_clean(deployment.state_dir)
 
 

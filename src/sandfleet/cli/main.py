@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -81,7 +83,12 @@ def cli() -> None:
 @click.option("--port", default=7070, show_default=True, help="Control plane port.")
 @click.option("--node-port", default=7071, show_default=True, help="Node agent port.")
 @click.option("--max-sandboxes", default=1000, show_default=True)
-@click.option("--node-id", default="local", show_default=True, help="The node agent's id.")
+@click.option(
+    "--node-id",
+    default=None,
+    help="The node agent's id (default: local-<6 hex of the state dir>, so that two"
+    " deployments on one host never share one).",
+)
 @click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
 @_api_token_opt
 def up(
@@ -91,20 +98,24 @@ def up(
     port: int,
     node_port: int,
     max_sandboxes: int,
-    node_id: str,
+    node_id: str | None,
     keep: bool,
     api_token: str | None,
 ) -> None:
     """Run a control plane and one node agent together on embedded defaults.
 
-    The node agent runs as a child process (it dies with this one), so the two
-    event loops use two cores under burst load.
+    The node agent runs as a child process, so the two event loops use two
+    cores under burst load. A node agent that dies is started again (it adopts
+    its sandboxes); if this process dies, the node agent stops keeping its
+    sandboxes, for the next `up` on this state dir to adopt.
     """
     from sandfleet.cli.serve import check_ports_free, lock_dir, run_servers, spawn_child
     from sandfleet.controlplane.app import create_app
 
     state, images = _dirs(state_dir, images_dir)
     lock_dir(state, "sandfleet up")
+    if node_id is None:
+        node_id = "local-" + hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:6]
     check_ports_free(host, [port, node_port])
     token = _cluster_token(state, None)
     cp_url = f"http://{host}:{port}"
@@ -120,19 +131,34 @@ def up(
         "--max-sandboxes", str(max_sandboxes), "--keep" if keep else "--destroy-on-exit",
     ]  # fmt: skip
     click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
-    node_proc = spawn_child(node_args, env={"SANDFLEET_NODE_TOKEN": token})
+    env = {"SANDFLEET_NODE_TOKEN": token}
+    node = [spawn_child(node_args, env)]
+    stopping = threading.Event()
 
-    def watch_node() -> None:
-        # A node agent that dies leaves a control plane with nowhere to place: stop too.
-        if node_proc.wait() != 0:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def supervise_node() -> None:
+        # A node agent that dies is started again: it adopts the sandboxes that
+        # kept running. One that keeps dying at once stops `up`.
+        quick_deaths = 0
+        while True:
+            started = time.monotonic()
+            code = node[0].wait()
+            if stopping.is_set():
+                return
+            quick_deaths = quick_deaths + 1 if time.monotonic() - started < 10 else 0
+            if quick_deaths >= 3:
+                click.echo(f"sandfleet up: the node agent keeps exiting ({code}); stopping")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            click.echo(f"sandfleet up: the node agent exited ({code}); starting it again")
+            node[0] = spawn_child(node_args, env)
 
-    threading.Thread(target=watch_node, daemon=True).start()
+    threading.Thread(target=supervise_node, daemon=True).start()
     try:
         run_servers([(cp, host, port)])
     finally:
-        node_proc.terminate()
-        code = node_proc.wait()
+        stopping.set()
+        node[0].terminate()
+        code = node[0].wait()
     if code not in (0, -signal.SIGTERM):
         raise FailedPrecondition(f"the node agent exited with status {code}; see its log above")
 

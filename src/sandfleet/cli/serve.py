@@ -45,19 +45,26 @@ def _config(app: object, host: str, port: int) -> uvicorn.Config:
     )
 
 
+#: The signal that stopped :func:`run_servers`, once one has. SIGHUP is what a
+#: child of ``sandfleet up`` gets when ``up`` itself died (see :func:`spawn_child`).
+stopped_by: int | None = None
+
+
 def run_servers(apps: list[tuple[object, str, int]]) -> None:
-    """Serve each ``(app, host, port)`` in one event loop until SIGINT or SIGTERM."""
+    """Serve each ``(app, host, port)`` in one event loop until SIGINT, SIGTERM or SIGHUP."""
     servers = [_Server(_config(app, host, port)) for app, host, port in apps]
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
 
-        def stop_all() -> None:
+        def stop_all(sig: int) -> None:
+            global stopped_by
+            stopped_by = sig
             for s in servers:
                 s.should_exit = True
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop_all)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, stop_all, sig)
         await asyncio.gather(*(s.serve() for s in servers))
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -171,13 +178,17 @@ def _become_subreaper() -> None:
 
 
 def spawn_child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Run ``sandfleet ARGS`` as a child that gets SIGTERM if this process dies."""
+    """Run ``sandfleet ARGS`` as a child that gets SIGHUP if this process dies.
+
+    SIGHUP, not SIGTERM: a child can then tell its parent's death (keep state
+    for the next start to adopt) from being asked to stop (SIGTERM).
+    """
 
     def die_with_parent() -> None:
         import ctypes
 
         pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGHUP, 0, 0, 0)
 
     return subprocess.Popen(
         [sys.executable, "-m", "sandfleet.cli", *args],

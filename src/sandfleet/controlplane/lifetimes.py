@@ -161,7 +161,7 @@ def _live(cp: ControlPlane, sandbox_id: str) -> SandboxInfo:
 async def pause(cp: ControlPlane, sandbox_id: str) -> SandboxInfo:
     """Freeze a sandbox (memory kept, no CPU); any later call resumes it. Idempotent.
 
-    Its TTL and idle TTL keep running while it is paused. Raises ``NotFound``,
+    Its hard TTL keeps running while it is paused; its idle clock stops. Raises ``NotFound``,
     ``FailedPrecondition`` (still being created; a kind that cannot pause),
     ``Unavailable`` (its node is unreachable) and ``Internal`` (the freeze did
     not complete: it was left running).
@@ -267,8 +267,8 @@ async def reap_idle(cp: ControlPlane, now: float | None = None) -> int:
     now = time.time() if now is None else now
     reaped = 0
     for info in cp.store.list_sandboxes(states=LIVE_STATES):
-        if info.idle_ttl_s is None or cp.activity.busy(info.id):
-            continue
+        if info.idle_ttl_s is None or info.state == "paused" or cp.activity.busy(info.id):
+            continue  # paused: its idle clock stops until it is resumed
         last = cp.activity.overlay(info).last_active_at or info.created_at
         if now - last < info.idle_ttl_s:
             continue

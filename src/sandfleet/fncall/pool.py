@@ -40,8 +40,7 @@ class Worker:
     id: str
     conn: Any
     pid: int
-    baseline_bytes: int = 0
-    memory_limit_mb: int | None = None
+    limit_bytes: int | None = None
     ooms: int = 0
     calls: int = 0
     idle_since: float = field(default_factory=time.monotonic)
@@ -73,6 +72,8 @@ class Pool:
         self._tasks: set[asyncio.Future[None]] = set()
         self._starts: set[asyncio.Future[None]] = set()
         self._closed = False
+        self._failures = 0
+        self._retry_at = 0.0
 
     @property
     def size(self) -> int:
@@ -152,10 +153,17 @@ class Pool:
     # ------------------------------------------------------------------ sizing
 
     def grow(self) -> None:
-        """Start workers for the calls waiting, and up to ``min_workers``, within max."""
+        """Start workers for the calls waiting, and up to ``min_workers``, within max.
+
+        After failed starts, keeping ``min_workers`` warm waits a backoff (1 s,
+        doubling to a minute): a broken image must not start a box a second.
+        """
         if self._closed:
             return
-        wanted = max(self.config.min_workers - self.size, len(self.waiters) - self.starting)
+        warm = self.config.min_workers - self.size
+        if time.monotonic() < self._retry_at:
+            warm = 0  # only calls that wait may try again before the backoff ends
+        wanted = max(warm, len(self.waiters) - self.starting)
         for _ in range(min(wanted, self.config.max_workers - self.size)):
             self.starting += 1
             self._starts.add(self._spawn(self._start_one()))
@@ -166,6 +174,8 @@ class Pool:
         except Exception as exc:
             self.starting -= 1
             self.last_error = str(exc)
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(60.0, 2.0 ** (self._failures - 1))
             log.warning("starting a worker for %s failed: %s", self.config.image, exc)
             if not self.idle and not self.busy and not self.starting:
                 # Nothing else will serve the queue: fail it rather than hang it.
@@ -177,6 +187,7 @@ class Pool:
             return
         self.starting -= 1
         self.last_error = None
+        self._failures, self._retry_at = 0, 0.0
         if self._closed:
             await self._stop_quietly(worker)
             return

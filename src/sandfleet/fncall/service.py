@@ -57,7 +57,12 @@ WORKER_MAX_CALLS = 10_000
 #: Memory limit a worker starts with, MiB (the zygote needs about 20).
 START_MEMORY_MB = 128
 _MAINTAIN_EVERY_S = 1.0
-_ZYGOTE_CAPS = ["CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"]
+#: What PID 1 needs: write a call's files and hand them to its user (CHOWN), empty
+#: what calls left whatever its modes (DAC_OVERRIDE, FOWNER), kill every call
+#: process (KILL), become the calls' user (SETUID, SETGID). Calls keep none.
+_ZYGOTE_CAPS = [
+    *("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"),
+]
 
 
 def _worker_source() -> Path:
@@ -197,12 +202,10 @@ class FnCallService:
         # The OOM killer must pick the call's process, never the zygote.
         with contextlib.suppress(OSError):
             Path(f"/proc/{handle.pid}/oom_score_adj").write_text("-1000")
-        rel = f"/sandfleet/{worker_id}"
         return Worker(
             id=worker_id,
             conn=conn,
             pid=handle.pid,
-            baseline_bytes=self.backend.cgroups.memory_usage(rel),
             ooms=self.backend.oom_kills(worker_id),
         )
 
@@ -245,6 +248,9 @@ class FnCallService:
                     f"fncall worker {worker.id} failed during the call ({type(exc).__name__}:"
                     f" {exc}); it has been replaced"
                 ) from exc
+            if "invalid" in answer:
+                healthy = True
+                raise InvalidArgument(answer["invalid"])
             if "error" in answer:
                 healthy = True
                 raise FailedPrecondition(f"the worker refused the call: {answer['error']}")
@@ -264,15 +270,22 @@ class FnCallService:
             pool.release(worker, healthy)
 
     def _limit_memory(self, worker: Worker, memory_mb: int) -> None:
-        if worker.memory_limit_mb == memory_mb:
+        """Give the call ``memory_mb`` on top of what the worker holds now.
+
+        The zygote and the process forked for the call are charged to the
+        cgroup too, and what they hold drifts (a big call leaves the zygote's
+        heap larger): measured before each call, so a call's room never depends
+        on the calls before it. Written only when it moved by a MiB or more.
+        """
+        rel = f"/sandfleet/{worker.id}"
+        limit = memory_mb * 1024 * 1024 + self.backend.cgroups.memory_usage(rel)
+        if worker.limit_bytes is not None and abs(limit - worker.limit_bytes) < 1 << 20:
             return
-        # The zygote's own pages are charged to the cgroup too: the call gets memory_mb on top.
-        limit = memory_mb * 1024 * 1024 + worker.baseline_bytes
         try:
-            self.backend.cgroups.set_memory_limit(f"/sandfleet/{worker.id}", limit)
+            self.backend.cgroups.set_memory_limit(rel, limit)
         except OSError as exc:
             raise Internal(f"cannot set the memory limit of worker {worker.id}: {exc}") from exc
-        worker.memory_limit_mb = memory_mb
+        worker.limit_bytes = limit
 
     def _oom_since(self, worker: Worker) -> bool:
         now = self.backend.oom_kills(worker.id)
@@ -282,11 +295,14 @@ class FnCallService:
 
     def _result(self, answer: dict[str, Any], worker: Worker, fetch_files: list[str]) -> RunResult:
         stages: dict[str, StageResult | None] = {}
+        # Read after every call, so that a kill the call survived (a child of it,
+        # say) is never blamed on a later call. At most one stage fails.
+        killed = self._oom_since(worker)
         for name in ("compile", "run"):
             doc = answer.get(name)
             stage = StageResult.model_validate(doc) if doc else None
             failed = stage is not None and not stage.ok and stage.status != "timeout"
-            if stage is not None and failed and self._oom_since(worker):
+            if stage is not None and failed and killed:
                 # Like a timeout: never an exit code that could pass for a real one.
                 stage = stage.model_copy(
                     update={"status": "oom", "exit_code": None, "signal": int(signal.SIGKILL)}

@@ -232,11 +232,16 @@ def _remove_ipc() -> None:
 # ---------------------------------------------------------------------- the child
 
 
-def _become_caller(out_w: int, err_w: int, keep: int | None = None) -> None:
-    """What every call's process does first, whatever the call: stdout/stderr on
-    the pipes, a session of its own, default signals, first in line for the OOM
-    killer, the unprivileged user, the working directory. Only ``keep`` (moved
-    to fd 3) survives of the other fds."""
+def _become_caller(
+    out_w: int, err_w: int, stdin_fd: int | None = None, keep: int | None = None
+) -> None:
+    """What every call's process does first, whatever the call: stdin (``stdin_fd``,
+    else empty), stdout/stderr on the pipes, a session of its own, first in line
+    for the OOM killer, the unprivileged user, the working directory. Only
+    ``keep`` (moved to fd 3) survives of the other fds."""
+    if stdin_fd is None:
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     if keep is not None:
@@ -252,24 +257,13 @@ def _become_caller(out_w: int, err_w: int, keep: int | None = None) -> None:
     os.chdir(WORKDIR)
 
 
-def _run(call: dict[str, Any], stage: Stage, stdin: bytes, first: bool) -> None:
-    """The call's own part, after :func:`_become_caller`; never returns.
-
-    The first stage of a call also writes the call's files, as the call's user.
-    """
+def _run(call: dict[str, Any], stage: Stage) -> None:
+    """The call's own part, after :func:`_become_caller`; never returns."""
     code = 1
     try:
-        fd = os.memfd_create("stdin")
-        if stdin:
-            os.write(fd, stdin)
-            os.lseek(fd, 0, os.SEEK_SET)
-        os.dup2(fd, 0)
-        os.close(fd)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8"}
         env["TMPDIR"] = WORKDIR
         env.update(call.get("env") or {})
-        if first:
-            _write_files(call.get("files") or {})
         if stage == "python":
             # Signals stay as the interpreter set them up (SIGPIPE ignored, SIGINT
             # raising KeyboardInterrupt), as for python3 -c.
@@ -299,29 +293,70 @@ def _warm_up() -> None:
     base64.b64decode(_b64(b"warm"))
 
 
-def _spare(out_w: int, err_w: int, ctl_r: int) -> None:
-    """A call's process forked ahead of the call; waits on fd 3 for it. Never returns."""
+def _spare(out_w: int, err_w: int, ctl: int) -> None:
+    """A call's process forked ahead of the call; waits on fd 3 for it. Never returns.
+
+    The order comes as JSON (the call without its stdin and files) with the
+    call's stdin as a passed file descriptor, until the zygote's end closes.
+    """
     try:
-        _become_caller(out_w, err_w, keep=ctl_r)
+        _become_caller(out_w, err_w, keep=ctl)
         _warm_up()
-        with io.FileIO(3, "r") as ctl:
-            message = ctl.readall()
-        if not message:
+        with socket.socket(fileno=3) as sock:
+            parts, fds = [], []
+            while True:
+                data, got, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+                fds += got
+                if not data:
+                    break
+                parts.append(data)
+        if not parts:
             os._exit(0)  # retired unused
-        order = json.loads(message)
+        order = json.loads(b"".join(parts))
+        if fds:
+            os.dup2(fds[0], 0)
+            os.close(fds[0])
     except BaseException:
         os._exit(1)
-    _run(order["call"], order["stage"], base64.b64decode(order["stdin"]), first=True)
+    _run(order["call"], order["stage"])
 
 
-def _write_files(files: dict[str, str]) -> None:
+def place_files(files: dict[str, str]) -> None:
+    """Write a call's files into the (empty) working directory, owned by the call's user.
+
+    Done by PID 1 before any process of the call exists, so no symlink can be
+    in the way: each file is created anew, never followed. Raises ValueError
+    naming the path when one cannot be written (a parent that is a file).
+    """
     for rel, data in files.items():
         path = os.path.join(WORKDIR, rel)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        with open(path, "wb") as fh:
-            fh.write(base64.b64decode(data))
+        try:
+            _make_parents(os.path.dirname(path))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise ValueError(f"files[{rel!r}] cannot be written: {exc.strerror}") from None
+        try:
+            with io.FileIO(fd, "w", closefd=False) as fh:
+                fh.write(base64.b64decode(data))
+            os.fchown(fd, CALL_UID, CALL_GID)
+        finally:
+            os.close(fd)
+
+
+def _make_parents(directory: str) -> None:
+    if directory in (WORKDIR, "") or os.path.isdir(directory):
+        return
+    _make_parents(os.path.dirname(directory))
+    os.mkdir(directory, 0o755)
+    os.chown(directory, CALL_UID, CALL_GID)
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+    if data:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _run_python(code: str, args: list[str], env: dict[str, str]) -> int:
@@ -401,7 +436,7 @@ def _exit_status(code: object) -> int:
 
 class Zygote:
     def __init__(self) -> None:
-        #: (pid, fd to send it the call, stdout and stderr read ends) of the spare.
+        #: (pid, socket fd to send it the call, stdout and stderr read ends) of the spare.
         self.spare: tuple[int, int, int, int] | None = None
         self.languages = ["python", "bash"] if shutil.which("bash") else ["python"]
         self.languages += [lang for lang, (cc, _, _) in COMPILERS.items() if shutil.which(cc)]
@@ -444,27 +479,35 @@ class Zygote:
             return {"error": f"this image cannot run {language} (it has: {has})"}
         cap = int(call.get("max_output_bytes", 1 << 20))
         timeout = float(call.get("timeout_s", 10))
-        stdin = base64.b64decode(call.get("stdin") or "")
         args = list(call.get("args") or [])
-        answer: dict[str, Any] = {"compile": None, "run": None}
+        files = call.pop("files", None) or {}
         if language in COMPILERS:
-            # Written by the call's own user, like its files: never by root into /tmp.
-            call["files"] = dict(call.get("files") or {})
-            call["files"][COMPILERS[language][1]] = _b64(call["code"].encode())
-        if language == "python":
-            answer["run"] = self.stage(call, "python", stdin, timeout, cap, first=True)
-        elif language == "bash":
-            argv = ["bash", "-c", call["code"], "bash", *args]
-            answer["run"] = self.stage(call, argv, stdin, timeout, cap, first=True)
-        else:
-            cc, _, cc_args = COMPILERS[language]
-            compile_timeout = float(call.get("compile_timeout_s", 30))
-            built = self.stage(call, [cc, *cc_args], b"", compile_timeout, cap, first=True)
-            answer["compile"] = built
-            if built["status"] != "exited" or built["exit_code"] != 0:
-                return answer
-            kill_all()  # nothing of the compiler may linger into the run
-            answer["run"] = self.stage(call, ["./main", *args], stdin, timeout, cap)
+            files[COMPILERS[language][1]] = _b64(call["code"].encode())
+        try:
+            place_files(files)
+        except ValueError as exc:
+            return {"invalid": str(exc)}
+        del files  # only the tmpfs holds them now: charged to the call once
+        # stdin travels to the call's process as a memfd, not through its order.
+        stdin = _memfd(base64.b64decode(call.pop("stdin", None) or ""))
+        answer: dict[str, Any] = {"compile": None, "run": None}
+        try:
+            if language == "python":
+                answer["run"] = self.stage(call, "python", stdin, timeout, cap, first=True)
+            elif language == "bash":
+                argv = ["bash", "-c", call["code"], "bash", *args]
+                answer["run"] = self.stage(call, argv, stdin, timeout, cap, first=True)
+            else:
+                cc, _, cc_args = COMPILERS[language]
+                compile_timeout = float(call.get("compile_timeout_s", 30))
+                built = self.stage(call, [cc, *cc_args], None, compile_timeout, cap, first=True)
+                answer["compile"] = built
+                if built["status"] != "exited" or built["exit_code"] != 0:
+                    return answer
+                kill_all()  # nothing of the compiler may linger into the run
+                answer["run"] = self.stage(call, ["./main", *args], stdin, timeout, cap)
+        finally:
+            os.close(stdin)
         if call.get("fetch_files"):
             kill_all()  # no process of the call may change a file while it is read
             answer.update(fetch(call["fetch_files"]))
@@ -474,23 +517,26 @@ class Zygote:
         self,
         call: dict[str, Any],
         stage: Stage,
-        stdin: bytes,
+        stdin: int | None,
         timeout_s: float,
         cap: int,
         first: bool = False,
     ) -> dict[str, Any]:
         """Run ``stage`` of ``call`` in a process of its own and wait for it under ``timeout_s``.
 
-        A call's first stage goes to the spare forked ahead of time, if there is one.
+        ``stdin`` is a file descriptor to read from (None: empty). A call's
+        first stage goes to the spare forked ahead of time, if there is one.
         """
         spare, self.spare = (self.spare, None) if first else (None, self.spare)
         started = time.monotonic()
         if spare is not None:
-            pid, ctl_w, out_r, err_r = spare
-            order = {"call": call, "stage": stage, "stdin": _b64(stdin)}
+            pid, ctl, out_r, err_r = spare
+            order = json.dumps({"call": call, "stage": stage}, separators=(",", ":")).encode()
             try:
-                with io.FileIO(ctl_w, "w") as ctl:  # closing it tells the spare: go
-                    ctl.write(json.dumps(order, separators=(",", ":")).encode())
+                with socket.socket(fileno=ctl) as sock:  # closing it tells the spare: go
+                    socket.send_fds(sock, [order[: 1 << 16]], [] if stdin is None else [stdin])
+                    if len(order) > 1 << 16:
+                        sock.sendall(order[1 << 16 :])
             except OSError:  # the spare is gone: fork as usual
                 spare = None
                 kill_all()
@@ -502,8 +548,8 @@ class Zygote:
             try:
                 pid = os.fork()
                 if pid == 0:
-                    _become_caller(out_w, err_w)
-                    _run(call, stage, stdin, first)
+                    _become_caller(out_w, err_w, stdin)
+                    _run(call, stage)
             finally:
                 os.close(out_w)
                 os.close(err_w)
@@ -517,15 +563,16 @@ class Zygote:
         """Fork the next call's process now, while no call waits for it."""
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = os.fork()
             if pid == 0:
-                _spare(out_w, err_w, ctl_r)
+                _spare(out_w, err_w, theirs.fileno())
         finally:
-            for fd in (out_w, err_w, ctl_r):
+            for fd in (out_w, err_w):
                 os.close(fd)
-        self.spare = (pid, ctl_w, out_r, err_r)
+            theirs.close()
+        self.spare = (pid, mine.detach(), out_r, err_r)
 
     def _wait(
         self, pid: int, started: float, timeout_s: float, out_r: int, err_r: int, cap: int

@@ -10,6 +10,7 @@ gives the node agent the files to mount and the merged exec config.
 from __future__ import annotations
 
 from .build import build_from_directory, stack_for
+from .busybox import build_busybox, busybox_tree
 from .debootstrap import build_debootstrap
 from .erofs import pack_erofs
 from .mirror import ENV_MIRROR, resolve_mirror
@@ -20,9 +21,11 @@ from .workspace import build_workspace, classify_source
 __all__ = [
     "ENV_MIRROR",
     "ImageStore",
+    "build_busybox",
     "build_debootstrap",
     "build_from_directory",
     "build_workspace",
+    "busybox_tree",
     "classify_source",
     "pack_erofs",
     "parse_ref",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -65,8 +66,9 @@ def create_node_app(
     """The node agent app around ``service``.
 
     With ``control_plane`` and ``registration`` it registers and heartbeats.
-    ``destroy_on_exit`` destroys every box at shutdown (``sandfleet up``);
-    otherwise boxes keep running and are adopted by the next node agent.
+    ``destroy_on_exit`` destroys every box at shutdown (``sandfleet up``),
+    unless the shutdown is the SIGHUP of ``up``'s death; otherwise boxes keep
+    running and are adopted by the next node agent.
     """
 
     @asynccontextmanager
@@ -90,7 +92,11 @@ def create_node_app(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await service.close(destroy_all=destroy_on_exit)
+        from sandfleet.cli import serve
+
+        # SIGHUP: `sandfleet up` died under us; its next start adopts the boxes.
+        orphaned = serve.stopped_by == signal.SIGHUP
+        await service.close(destroy_all=destroy_on_exit and not orphaned)
 
     app = FastAPI(title="sandfleet node agent", version="1", lifespan=lifespan)
     install_error_handlers(app)

@@ -123,6 +123,7 @@ class BoxLifetime:
         if (
             self.idle_ttl_s is not None
             and self.calls == 0
+            and not self.paused  # paused: waiting for its trainer, not idle
             and now - self.last_active_at >= self.idle_ttl_s
         ):
             return "idle TTL"
@@ -276,10 +277,11 @@ class NodeLifetimes:
     async def pause(self, sandbox_id: str) -> None:
         """Freeze the box: its memory stays, it uses no CPU. Idempotent.
 
-        Its clocks keep running: a paused box still reaches its TTL and idle
-        TTL. Raises ``NotFound`` (unknown box), ``FailedPrecondition`` (still
-        being created, or a kind that cannot pause) and ``Internal`` (the
-        freeze did not complete; the box was left running).
+        Its hard TTL keeps running; its idle clock stops (a paused box waits
+        for its trainer) and starts again at resume. Raises ``NotFound``
+        (unknown box), ``FailedPrecondition`` (still being created, or a kind
+        that cannot pause) and ``Internal`` (the freeze did not complete; the
+        box was left running).
         """
         backend = self._pausable(sandbox_id)
         life = self.get(sandbox_id)
@@ -298,6 +300,8 @@ class NodeLifetimes:
             if life.paused:
                 await backend.resume(sandbox_id)
                 life.paused = False
+                life.last_active_at = time.time()  # the idle clock starts again
+                life.dirty = True
                 log.debug("sandbox %s resumed", sandbox_id)
 
     async def disown(self, sandbox_ids: list[str]) -> None:

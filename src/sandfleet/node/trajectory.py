@@ -61,8 +61,9 @@ __all__ = ["BoxLog", "Logged", "Trajectories", "step_of"]
 log = logging.getLogger("sandfleet.node.trajectory")
 
 #: Seconds a call whose step is past the log's end waits for the calls before it
-#: (a client's concurrent calls may arrive out of order) before it is a gap.
-GAP_GRACE_S = 1.0
+#: (a client's concurrent calls may arrive out of order: hundreds at once through a
+#: busy control plane spread over seconds) before it is a gap.
+GAP_GRACE_S = float(os.environ.get("SANDFLEET_STEP_GAP_GRACE_S", "30"))
 NDJSON = "application/x-ndjson"
 _REPLAYED = {REPLAYED_HEADER: "1"}
 

@@ -7,6 +7,6 @@ job re-attaches to them and fast-forwards every episode through its sandbox's
 trajectory log, so no command runs twice and every reward comes out the same.
 """
 
-from sandfleet.rl.pool import EpisodeFn, RolloutPool, RolloutStats
+from sandfleet.rl.pool import EpisodeFn, Preempted, RolloutPool, RolloutStats
 
-__all__ = ["EpisodeFn", "RolloutPool", "RolloutStats"]
+__all__ = ["EpisodeFn", "Preempted", "RolloutPool", "RolloutStats"]

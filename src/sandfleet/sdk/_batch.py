@@ -11,6 +11,7 @@ half a millisecond of CPU here, more than the call itself in a warm worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -53,7 +54,8 @@ class RunBatcher:
         self._timer: asyncio.TimerHandle | None = None
 
     async def run(self, request: _core.Request[RunResult]) -> RunResult:
-        """The call's result. Cancelling the caller abandons the call (it runs to its end)."""
+        """The call's result. Cancelling the caller stops the call on the server once
+        every call sharing its request is cancelled too; until then it runs to its end."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[RunResult] = loop.create_future()
         self._pending.append((request, fut))
@@ -78,6 +80,9 @@ class RunBatcher:
             task = asyncio.ensure_future(work)
             task.add_done_callback(self._request_done)
             self._keep(task)
+            futs = [fut for _, fut in chunk]
+            for fut in futs:
+                fut.add_done_callback(functools.partial(_abandon, task, futs))
 
     def _request_done(self, _: asyncio.Future[None]) -> None:
         self._in_flight -= 1
@@ -134,3 +139,15 @@ class RunBatcher:
                     fut.set_exception(
                         failure or Internal("the batch answer ended without this call's result")
                     )
+
+
+def _abandon(
+    request: asyncio.Future[None],
+    futs: list[asyncio.Future[RunResult]],
+    _: asyncio.Future[RunResult],
+) -> None:
+    """Once every caller of a request has been cancelled, cancel the request: its
+    connection closes and the server stops the calls (a queued call leaves the queue,
+    a running one is killed with its worker)."""
+    if not request.done() and all(f.cancelled() for f in futs):
+        request.cancel()

@@ -984,6 +984,16 @@ def fncall_request(
     )
 
 
+def check_not_sandbox_only(**given: object) -> None:
+    """Refuse arguments of ``run`` that only a sandbox kind has, with kind='fncall'."""
+    named = [k for k, v in given.items() if v]
+    if named:
+        raise InvalidArgument(
+            f"{', '.join(named)} apply to sandbox kinds only: an fncall call runs as an"
+            " unprivileged user in /tmp of a warm worker, within memory_mb and timeout_s"
+        )
+
+
 def check_not_fncall_only(**given: object) -> None:
     """Refuse fncall-only arguments of ``run`` for a sandbox kind."""
     named = [k for k, v in given.items() if v]

@@ -70,6 +70,9 @@ class Steps:
         #: A cancellation being settled with the node (async handles): the next
         #: call waits for it, since it decides whether the cancelled step is free.
         self.settling: Any = None
+        #: A step whose fate the node could not be asked about (it was
+        #: unreachable): the next call asks first, and takes no step until it knows.
+        self.unsettled: int | None = None
 
     def settle(self, step: int, state: str) -> None:
         """What the node said of a cancelled call's ``step``: logged (it ended

@@ -325,6 +325,16 @@ class AsyncClient:
         """
         timeout_s, memory_mb = _core.run_defaults(kind, timeout_s, memory_mb)
         if kind == "fncall":
+            _core.check_not_sandbox_only(
+                workspace=workspace,
+                cwd=cwd,
+                user=user,
+                labels=labels,
+                cpu=cpu != 1.0,
+                pids_limit=pids_limit != 256,
+                disk_mb=disk_mb != 4096,
+                ttl_s=ttl_s != 3600.0,
+            )
             return await self._batcher.run(
                 _core.fncall_request(
                     code,
@@ -509,6 +519,11 @@ class AsyncSandbox:
             return await self._client._send(request, content)
         while steps.settling is not None:
             await asyncio.shield(steps.settling)
+        if steps.unsettled is not None:
+            unsettled = steps.unsettled
+            state = await self._client._send(_steps.cancel_request(self.id, unsettled))
+            steps.unsettled = None
+            steps.settle(unsettled, state)
         step, entry = steps.take(op, fields)
         if entry is not None:
             return answer(entry)
@@ -537,8 +552,9 @@ class AsyncSandbox:
         assert steps is not None
         try:
             state = await self._client._send(_steps.cancel_request(self.id, step))
-        except Exception:  # unknown: leave the step taken; a gap beats a second run
-            state = "logged"
+        except Exception:  # unknown (the node is unreachable): the next call asks
+            steps.unsettled = step
+            return
         finally:
             steps.settling = None
         steps.settle(step, state)

@@ -237,6 +237,16 @@ class Client:
         """
         timeout_s, memory_mb = _core.run_defaults(kind, timeout_s, memory_mb)
         if kind == "fncall":
+            _core.check_not_sandbox_only(
+                workspace=workspace,
+                cwd=cwd,
+                user=user,
+                labels=labels,
+                cpu=cpu != 1.0,
+                pids_limit=pids_limit != 256,
+                disk_mb=disk_mb != 4096,
+                ttl_s=ttl_s != 3600.0,
+            )
             return self._send(
                 _core.fncall_request(
                     code,
@@ -388,6 +398,11 @@ class Sandbox:
         steps = self._steps
         if steps is None:
             return self._client._send(request, content)
+        if steps.unsettled is not None:
+            unsettled = steps.unsettled
+            state = self._client._send(_steps.cancel_request(self.id, unsettled))
+            steps.unsettled = None
+            steps.settle(unsettled, state)
         step, entry = steps.take(op, fields)
         if entry is not None:
             return answer(entry)
@@ -410,8 +425,9 @@ class Sandbox:
         assert steps is not None
         try:
             state = self._client._send(_steps.cancel_request(self.id, step))
-        except Exception:
-            state = "logged"  # unknown: leave the step taken; a gap beats a second run
+        except Exception:  # unknown (the node is unreachable): the next call asks
+            steps.unsettled = step
+            return
         steps.settle(step, state)
 
     @property
