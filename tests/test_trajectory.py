@@ -12,8 +12,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -457,3 +458,30 @@ def test_a_call_in_flight_when_its_driver_dies_runs_once(
     assert result.ok and result.replayed  # waited for the first run, not a second one
     assert sb.files.read("/root/count") == b"once\n"
     assert [e.step for e in again.log()] == [0]
+
+
+def test_an_exec_cut_short_by_a_node_agent_death_is_never_run_again(split: Split) -> None:
+    """The in-sandbox agent kills a command whose node agent died: the step is logged
+    as what it was (killed), so neither the caller nor a successor runs it again."""
+    with Client(split.url) as client:
+        sb = client.create(image=BUSYBOX_IMAGE, memory_mb=128)
+        cmd = "echo start >> /root/side; sleep 4; echo end >> /root/side"
+        running = threading.Thread(target=lambda: _swallow(lambda: sb.exec(cmd, timeout_s=30)))
+        running.start()
+        time.sleep(1.5)
+        split.kill(split.node)
+        running.join()
+        t0 = time.time()
+        split.start_node()
+        split.ready(t0)
+        again = client.attach(sb.id, resume_from_log=True)
+        result = again.exec(cmd, timeout_s=30)
+        assert result.replayed and result.status == "signaled" and result.signal == 9
+        assert b"node agent stopped" in result.stderr
+        assert sb.files.read("/root/side") == b"start\n"  # once, and cut short
+        assert sb.exec("echo next").stdout == b"next\n"  # the caller's handle goes on
+
+
+def _swallow(call: Callable[[], object]) -> None:
+    with contextlib.suppress(errors.SandfleetError):
+        call()

@@ -93,11 +93,13 @@ class BoxLog:
         self.path = path
         self.index: dict[int, _Entry] = {}
         self.running: dict[int, _Running] = {}
+        self._marked = False
         self._top = 0  # one past the highest logged step
         self._size = 0
         self._write = asyncio.Lock()
         self._moved = asyncio.Event()
         self._load()
+        self._settle_interrupted()
 
     def _load(self) -> None:
         """Rebuild the index from the file; a torn last line (a crash mid-append) is cut off."""
@@ -126,6 +128,78 @@ class BoxLog:
                 fh.truncate(offset)
                 os.fsync(fh.fileno())
         self._size = offset
+
+    # An exec runs in the sandbox only while the node agent serving it lives: the
+    # in-sandbox agent kills a command whose caller's connection is gone. So a
+    # node agent that died mid-exec leaves a step whose command was killed part-way.
+    # Each exec is marked in <log>.running before it runs; marks without a logged
+    # result are logged at the next start as what they were: killed (SIGKILL).
+
+    @property
+    def _marks(self) -> Path:
+        return self.path.with_suffix(".running")
+
+    def mark(self, step: int, doc: dict[str, Any]) -> None:
+        """Note that ``step`` (an exec; ``doc`` its LogEntry without result) runs now.
+
+        Not fsync'd: what it guards against is the node agent's death, after
+        which the kernel still has the write (a host crash takes the sandbox too).
+        """
+        self._write_mark({**doc, "step": step})
+
+    def _write_mark(self, doc: dict[str, Any]) -> None:
+        fd = os.open(self._marks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, json.dumps(doc, separators=(",", ":")).encode() + b"\n")
+        finally:
+            os.close(fd)
+        self._marked = True
+
+    def _unmark(self, step: int) -> None:
+        if not self._marked:
+            return
+        if self.running:
+            self._write_mark({"step": step, "done": True})
+        else:  # nothing runs: no mark is needed any more
+            with open(self._marks, "r+b") as fh:
+                fh.truncate(0)
+            self._marked = False
+
+    def _settle_interrupted(self) -> None:
+        try:
+            data = self._marks.read_bytes()
+        except FileNotFoundError:
+            return
+        marks: dict[int, dict[str, Any]] = {}
+        for line in data.splitlines():
+            try:
+                doc = json.loads(line)
+                step = int(doc["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn mark: its exec never started
+            if doc.get("done"):
+                marks.pop(step, None)
+            else:
+                marks[step] = doc
+        for step, doc in sorted(marks.items()):
+            if step in self.index:
+                continue
+            doc["result"] = {
+                **ExecResult(
+                    status="signaled",
+                    signal=9,
+                    stderr=b"sandfleet: the node agent stopped while this command ran; the"
+                    b" sandbox's agent killed it (it may have run in part)\n",
+                ).model_dump(mode="json"),
+                "interrupted": True,
+            }
+            line_out = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+            _append(self.path, line_out)
+            self.index[step] = _Entry(str(doc["op"]), str(doc["digest"]), self._size, len(line_out))
+            self._size += len(line_out)
+            self._top = max(self._top, step + 1)
+            log.warning("%s: step %d was interrupted by a node-agent stop", self.path, step)
+        self._marks.unlink(missing_ok=True)
 
     @property
     def next_step(self) -> int:
@@ -167,9 +241,10 @@ class BoxLog:
                 await asyncio.wait_for(moved.wait(), left)
 
     def release(self, reserved: _Running) -> None:
-        """Free a reserved step whose call did not end with a result."""
+        """Free a reserved step whose call did not end with a result (or once logged)."""
         if self.running.get(reserved.step) is reserved:
             del self.running[reserved.step]
+        self._unmark(reserved.step)
         if not reserved.done.done():
             reserved.done.set_result(None)
         self._notify()
@@ -237,6 +312,7 @@ class Trajectories:
         """Forget a destroyed sandbox's log and delete its file."""
         self._logs.pop(sandbox_id, None)
         (self.directory / f"{sandbox_id}.log").unlink(missing_ok=True)
+        (self.directory / f"{sandbox_id}.running").unlink(missing_ok=True)
 
     def sweep(self, keep: set[str]) -> None:
         """Delete the logs of sandboxes other than ``keep`` (after a restart's adoption)."""
@@ -460,14 +536,16 @@ class Logged:
         if isinstance(got, _Entry):
             doc = self._check(box, got, step, "exec", fields)
             return _answer({**doc["result"], "replayed": True}, 200, replayed=True)
+        stored = _bounded_command(fields, req.stdin)
+        doc = self._doc(step, "exec", fields, stored, {})
         try:
+            box.mark(step, doc)
             result = await run()
         except BaseException:
             box.release(got)
             raise
-        logged = _exec_log_result(result, result.stdout, result.stderr)
-        stored = _bounded_command(fields, req.stdin)
-        await self._finish(box, got, self._doc(step, "exec", fields, stored, logged))
+        doc["result"] = _exec_log_result(result, result.stdout, result.stderr)
+        await self._finish(box, got, doc)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def exec_stream(self, sandbox_id: str, step: int, req: ExecRequest) -> StreamingResponse:
