@@ -332,7 +332,8 @@ class CpuSnap:
         common = set(self.workers) & set(before.workers)
         workers = sum(self.workers[k] - before.workers[k] for k in common)
         zyg = self.zygotes - before.zygotes
-        out[f"workers, {len(common)} fw-* cgroups (cpuacct), all"] = workers
+        # Workers present at both ends (one may be recycled after 10,000 calls).
+        out["workers, fw-* cgroups (cpuacct), all"] = workers
         out["  of which the zygotes (PID 1: fork, wait, scrub, framing)"] = zyg
         out["  of which the calls' forks (the code, exec'd tools, exit)"] = workers - zyg
         out["this client (AsyncClient, asyncio, one process)"] = self.client - before.client
@@ -375,7 +376,7 @@ POOL_COLUMNS = (
     "calls",
     "replaced",
     "rejected",
-    "worker RSS MiB",
+    "worker MiB (cgroup)",
     "last error",
 )
 
