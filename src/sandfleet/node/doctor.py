@@ -66,6 +66,13 @@ def _cgroups() -> Check:
     detail = f"{layout.mode}; controllers: {', '.join(sorted(needed & controllers)) or 'none'}"
     if missing:
         detail += f"; missing {', '.join(sorted(missing))}"
+    # pause/resume freezes a box: the v1 freezer, or cgroup.freeze of v2.
+    if "freezer" in controllers:
+        detail += "; pause: v1 freezer"
+    elif layout.mode == "v2":
+        detail += "; pause: cgroup.freeze"
+    else:
+        detail += "; pause: no freezer (sandboxes cannot be paused)"
     return Check("cgroups", not missing, detail)
 
 
