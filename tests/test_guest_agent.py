@@ -306,14 +306,15 @@ def test_k3_background_children_reaped(agent: Agent) -> None:
         slowest = 0.0
         for _ in range(200):
             t0 = time.monotonic()
-            r = await agent.client.exec(ExecRequest(cmd="sleep 0.1 &", timeout_s=5))
+            r = await agent.client.exec(ExecRequest(cmd="sleep 1 &", timeout_s=5))
             slowest = max(slowest, time.monotonic() - t0)
             assert r.ok
         return slowest
 
     slowest = run(scenario())
-    assert slowest < 0.09, f"an exec waited for its background child ({slowest:.3f} s)"
-    time.sleep(2.0)
+    # Far from the child's 1 s, so a loaded host cannot make it flaky.
+    assert slowest < 0.5, f"an exec waited for its background child ({slowest:.3f} s)"
+    time.sleep(3.0)
     zombies = [pid for pid, st in descendants(agent.proc.pid).items() if st == "Z"]
     assert zombies == []
     assert run(agent.client.exec(ExecRequest(cmd="echo ok"))).stdout == b"ok\n"
