@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from sandfleet.cli.main import cli
 from sandfleet.wire.models import LANGUAGES, PoolInfo
@@ -50,17 +50,32 @@ def pools(
 
 
 def pools_table(infos: list[PoolInfo]) -> Table:
-    """One row per (node, image, language) pool."""
-    columns = ["node", "image", "language", "idle", "busy", "starting", "queued", "min/max"]
-    table = Table(*columns, "calls", "replaced", "rejected", "MiB/worker", "last error")
+    """One row per (node, image, language) pool; narrow enough for 80 columns.
+
+    See the table's caption for the columns.
+    """
+    errors = any(p.last_error for p in infos)
+    table = Table(
+        Column("pool", overflow="fold", min_width=18),
+        *("workers", "queue", "bounds", "calls (replaced, refused)", "MiB"),
+    )
+    if errors:
+        table.add_column("last error")
     for p in sorted(infos, key=lambda p: (p.node_id, p.image, p.language)):
-        table.add_row(
-            p.node_id, p.image, p.language, str(p.idle), str(p.busy), str(p.starting),
-            f"{p.queued}/{p.max_queue}", f"{p.min_workers}/{p.max_workers}", str(p.calls),
-            str(p.replaced), str(p.rejected),
-            "-" if p.worker_memory_mb is None else f"{p.worker_memory_mb:.1f}",
-            p.last_error or "",
-        )  # fmt: skip
-    if not infos:
-        table.caption = "no pools yet: a pool starts with its first call, or with --min"
+        row = [
+            f"{p.image}\n{p.language} [dim]{p.node_id}[/]",
+            f"{p.idle}/{p.busy}/{p.starting}",
+            f"{p.queued}/{p.max_queue}",
+            f"{p.min_workers}..{p.max_workers}",
+            f"{p.calls} ({p.replaced}, {p.rejected})",
+            "-" if p.worker_memory_mb is None else f"{p.worker_memory_mb:.0f}",
+        ]
+        table.add_row(*row, *([p.last_error or ""] if errors else []))
+    table.caption = (
+        "workers: idle/busy/starting; queue: waiting/max; bounds: min..max workers;\n"
+        "replaced: workers replaced after a failure; refused: calls refused, queue full;"
+        " MiB: memory of an idle worker"
+        if infos
+        else "no pools yet: a pool starts with its first call, or with --min"
+    )
     return table
