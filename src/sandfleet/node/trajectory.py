@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from sandfleet.wire.errors import Diverged, Internal, InvalidArgument
 from sandfleet.wire.models import (
@@ -436,7 +437,12 @@ class Logged:
         task = asyncio.ensure_future(work)
         self._detached[key] = task
         task.add_done_callback(lambda _: self._detached.pop(key, None))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # stopped by cancel(): its caller asked for that and left
+                raise ClientDisconnect() from None
+            raise
 
     async def cancel(self, sandbox_id: str, step: int) -> str:
         """Cancel the call running under ``step`` (its command is killed); what became of it.

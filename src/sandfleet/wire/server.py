@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sandfleet.wire.errors import (
     Internal,
@@ -61,6 +62,12 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             e = Internal(f"HTTP {exc.status_code}: {exc.detail}")
         return JSONResponse(e.to_wire(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, __: ClientDisconnect) -> Response:
+        # The caller went away while its request was read: nobody to answer, nothing
+        # to log (a cancelled call, a killed driver).
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -108,17 +115,25 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     disconnect.
     """
     task = asyncio.ensure_future(work)
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                gone = True
                 task.cancel()
                 return
 
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if gone and not (current is not None and current.cancelling()):
+            raise ClientDisconnect() from None  # answered quietly (499), not a traceback
+        raise
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
