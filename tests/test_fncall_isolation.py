@@ -867,3 +867,9 @@ def test_a_calls_memory_does_not_depend_on_the_calls_before(client: Client) -> N
         again = client.run(code, stdin=big)
         assert again.status == first.status == "exited", (first, again)
         assert again.stdout == b"20971520\n"
+
+
+def test_stdin_and_files_larger_than_the_calls_memory_are_refused(client: Client) -> None:
+    with pytest.raises(errors.InvalidArgument, match="raise memory_mb"):
+        client.run("print(1)", stdin=b"a" * (70 << 20), memory_mb=64)
+    assert client.run("print(1)").stdout == b"1\n"  # the worker is fine

@@ -154,6 +154,11 @@ def test_idle_ttl_reclaims_after_no_calls_but_not_while_they_come(client: Client
     t0 = time.monotonic()
     _eventually(lambda: _gone(client, sb.id), 6, "an idle sandbox is reclaimed")
     assert time.monotonic() - t0 >= 1.0
+    # Both the record and a call on it say why it is gone.
+    with pytest.raises(errors.NotFound, match="idle TTL ended"):
+        client.get(sb.id)
+    with pytest.raises(errors.NotFound, match="no longer exists"):
+        sb.exec("true")
 
 
 def test_a_paused_sandbox_is_not_idle_and_its_idle_clock_restarts_at_resume(
@@ -166,6 +171,17 @@ def test_a_paused_sandbox_is_not_idle_and_its_idle_clock_restarts_at_resume(
     sb.resume()
     assert sb.exec("echo back").stdout == b"back\n"
     _eventually(lambda: _gone(client, sb.id), 10, "the resumed sandbox reclaimed when idle")
+
+
+def test_a_snapshot_leaves_a_paused_sandbox_paused(client: Client) -> None:
+    sb = client.create(image=BUSYBOX_IMAGE, memory_mb=64)
+    sb.exec("echo kept > /root/mark")
+    sb.pause()
+    image = sb.snapshot()
+    assert sb.refresh().state == "paused"
+    with client.create(image=image, memory_mb=64) as copy:
+        assert copy.exec("cat /root/mark").stdout == b"kept\n"
+    sb.destroy()
 
 
 def test_lifetimes_change_by_a_call(client: Client) -> None:

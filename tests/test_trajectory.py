@@ -485,3 +485,50 @@ def test_an_exec_cut_short_by_a_node_agent_death_is_never_run_again(split: Split
 def _swallow(call: Callable[[], object]) -> None:
     with contextlib.suppress(errors.SandfleetError):
         call()
+
+
+def test_a_call_cancelled_on_its_way_does_not_hold_up_the_ones_after_it(
+    dep: LocalDeployment,
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(dep.url) as aclient:
+            sb = await aclient.create(image=BUSYBOX_IMAGE, memory_mb=128)
+            calls = [asyncio.ensure_future(sb.exec(f"sleep 0.5; echo {i}")) for i in range(4)]
+            calls[1].cancel()  # before its request can reach the node
+            started = time.monotonic()
+            done = await asyncio.gather(*calls, return_exceptions=True)
+            assert isinstance(done[1], asyncio.CancelledError)
+            assert [r.stdout for r in done if not isinstance(r, BaseException)] == [
+                b"0\n",
+                b"2\n",
+                b"3\n",
+            ]
+            after = await sb.exec("echo after", timeout_s=10)
+            assert after.stdout == b"after\n"
+            assert time.monotonic() - started < 10  # not the 30 s grace of a gap
+            await sb.destroy()
+
+    asyncio.run(main())
+
+
+def test_an_exec_cut_short_by_a_crash_of_up_is_never_run_again(
+    tmp_path: Path, images_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    dep = LocalDeployment(state, images_dir).start()
+    with Client(dep.url) as client:
+        sb = client.create(image=BUSYBOX_IMAGE, memory_mb=128)
+        cmd = "sleep 5; echo done >> /root/count"
+        running = threading.Thread(target=lambda: _swallow(lambda: sb.exec(cmd, timeout_s=30)))
+        running.start()
+        time.sleep(1.5)
+        dep.kill()  # `up` dies; its node agent is told by SIGHUP and stops at once
+        running.join()
+    again = LocalDeployment(state, images_dir)
+    again.node_id = dep.node_id
+    with again, Client(again.url) as client:
+        resumed = client.attach(sb.id, resume_from_log=True)
+        result = resumed.exec(cmd, timeout_s=30)
+        assert result.replayed and result.status == "signaled" and result.signal == 9, result
+        assert client.get(sb.id).exec("cat /root/count 2>/dev/null; true").stdout == b""
+    assert_clean(state)

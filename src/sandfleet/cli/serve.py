@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def _config(app: object, host: str, port: int) -> uvicorn.Config:
     )
 
 
+#: Seconds a node agent waits for the previous one on its state dir to let go.
+NODE_LOCK_WAIT_S = 30.0
 #: The signal that stopped :func:`run_servers`, once one has. SIGHUP is what a
 #: child of ``sandfleet up`` gets when ``up`` itself died (see :func:`spawn_child`).
 stopped_by: int | None = None
@@ -62,6 +65,9 @@ def run_servers(apps: list[tuple[object, str, int]]) -> None:
             stopped_by = sig
             for s in servers:
                 s.should_exit = True
+                # Orphaned: whoever called is gone; stop at once (what runs is killed
+                # with us, and the next start adopts and accounts for it).
+                s.force_exit = sig == signal.SIGHUP
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop_all, sig)
@@ -99,7 +105,8 @@ def build_node_app(
     validate_node_id(node_id)
     _become_subreaper()
     node_dir = state_dir / "nodes" / node_id
-    lock_fd = lock_dir(node_dir, f"node agent {node_id}")
+    # A node agent orphaned by a dead `sandfleet up` may still be stopping: wait for it.
+    lock_fd = lock_dir(node_dir, f"node agent {node_id}", wait_s=NODE_LOCK_WAIT_S)
     backends = load_backends(node_dir)
     host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
     capacity = NodeCapacity(
@@ -127,8 +134,9 @@ def build_node_app(
     return app
 
 
-def lock_dir(directory: Path, what: str) -> int:
-    """Lock ``directory`` for this process; FailedPrecondition if another holds it.
+def lock_dir(directory: Path, what: str, wait_s: float = 0.0) -> int:
+    """Lock ``directory`` for this process; FailedPrecondition if another holds it
+    for longer than ``wait_s`` seconds (one that is stopping lets go).
 
     The lock (flock on ``directory/lock``, which names the holder's pid) dies
     with the process, so a crash never leaves a stale lock.
@@ -139,15 +147,21 @@ def lock_dir(directory: Path, what: str) -> int:
 
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise FailedPrecondition(
-            f"{directory} is in use by another {what} (pid {holder}); stop it, or give this"
-            " one another --state-dir or --node-id"
-        ) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"{directory} is in use by another {what} (pid {holder}); stop it, or give"
+                " this one another --state-dir or --node-id"
+            ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd

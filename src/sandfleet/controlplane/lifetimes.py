@@ -81,11 +81,16 @@ class Activity:
         self._resumed: set[str] = set()
 
     @contextlib.contextmanager
-    def call(self, sandbox_id: str) -> Iterator[None]:
-        """A forwarded call: activity at start and end, never idle in between."""
+    def call(self, sandbox_id: str, resumes: bool = True) -> Iterator[None]:
+        """A forwarded call: activity at start and end, never idle in between.
+
+        ``resumes``: the node resumes a paused sandbox for it (all calls but
+        reading the log and snapshots, which leave a paused sandbox paused).
+        """
         self._calls[sandbox_id] = self._calls.get(sandbox_id, 0) + 1
         self.touch(sandbox_id)
-        self._resumed.add(sandbox_id)
+        if resumes:
+            self._resumed.add(sandbox_id)
         try:
             yield
         finally:
@@ -273,7 +278,7 @@ async def reap_idle(cp: ControlPlane, now: float | None = None) -> int:
         if now - last < info.idle_ttl_s:
             continue
         try:
-            await cp.destroy(info.id)
+            await cp.destroy(info.id, reason="idle TTL")
             reaped += 1
             log.info("sandbox %s reclaimed: idle TTL reached", info.id)
         except SandfleetError as exc:

@@ -192,7 +192,7 @@ class ControlPlane:
         recorded = self.store.list_sandboxes(node_id=node_id, states=LIVE_STATES)
         for info in recorded:
             if info.id not in hosted:
-                self.store.set_sandbox_state(info.id, "destroyed")
+                self.store.set_sandbox_state(info.id, "destroyed", ended="gone from its node")
                 self.activity.forget(info.id)
                 log.info("sandbox %s is gone from node %s: record closed", info.id, node_id)
         unknown = sorted(hosted - {info.id for info in recorded})
@@ -350,21 +350,22 @@ class ControlPlane:
         node_of(sandbox_id)
         info = self.store.get_sandbox(sandbox_id)
         if info is None or info.state == "destroyed":
-            raise NotFound(f"sandbox {sandbox_id} does not exist (destroyed or never created)")
+            raise NotFound(_gone(sandbox_id, info))
         return self.activity.overlay(info)
 
     def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         found = self.store.list_sandboxes(labels=labels, states=LIVE_STATES)
         return [self.activity.overlay(info) for info in found]
 
-    async def destroy(self, sandbox_id: str) -> None:
+    async def destroy(self, sandbox_id: str, reason: str = "destroyed") -> None:
+        """Destroy a sandbox; ``reason`` is kept as its record's ``ended`` ("TTL", ...)."""
         info = self.get(sandbox_id)
         self.store.set_sandbox_state(sandbox_id, "destroying")
         address = self._node_address(info.node_id)
         # NotFound: the node no longer has it, so the record is all that is left.
         with contextlib.suppress(NotFound):
             await self.nodes.call(address, "DELETE", f"/v1/sandboxes/{sandbox_id}")
-        self.store.set_sandbox_state(sandbox_id, "destroyed")
+        self.store.set_sandbox_state(sandbox_id, "destroyed", ended=reason)
         self.activity.forget(sandbox_id)
 
     # ------------------------------------------------------------------ data plane
@@ -382,7 +383,7 @@ class ControlPlane:
         node_id = node_of(sandbox_id)
         try:
             # A call is activity (idle TTL) and resumes a paused sandbox on its node.
-            with self.activity.call(sandbox_id):
+            with self.activity.call(sandbox_id, resumes=suffix not in ("/snapshot", "/log")):
                 async with self.nodes.stream(
                     self._node_address(node_id),
                     method,
@@ -394,6 +395,11 @@ class ControlPlane:
         except Unavailable:
             self._addresses.pop(node_id, None)
             raise
+        except NotFound as exc:
+            if "does not exist on node" not in exc.message:
+                raise  # a path or process inside the sandbox, not the sandbox
+            # Say why it is gone, when the record knows.
+            raise NotFound(_gone(sandbox_id, self.store.get_sandbox(sandbox_id))) from None
 
     # ------------------------------------------------------------------ fncall
 
@@ -512,7 +518,7 @@ class ControlPlane:
         reaped = await reap_idle(self)
         for info in self.store.expired_sandboxes(time.time()):
             try:
-                await self.destroy(info.id)
+                await self.destroy(info.id, reason="TTL")
                 reaped += 1
                 log.info("sandbox %s reclaimed: TTL expired", info.id)
             except SandfleetError as exc:
@@ -526,3 +532,22 @@ class ControlPlane:
                 await self.reap_once()
             except Exception:
                 log.exception("TTL reaper failed")
+
+
+def _gone(sandbox_id: str, info: SandboxInfo | None) -> str:
+    """Why a sandbox cannot be found, as far as its record says."""
+    if info is None:
+        return f"sandbox {sandbox_id} does not exist (destroyed long ago, or never created)"
+    if info.state != "destroyed":
+        return (
+            f"sandbox {sandbox_id} is gone from its node {info.node_id} (reclaimed there on its"
+            " own deadline, or lost with a node restart)"
+        )
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.ended_at or 0))
+    why = {
+        "TTL": "its TTL ended",
+        "idle TTL": "its idle TTL ended (no call for idle_ttl_s)",
+        "gone from its node": "its node no longer had it",
+        "destroyed": "it was destroyed",
+    }.get(info.ended or "destroyed", info.ended or "it was destroyed")
+    return f"sandbox {sandbox_id} no longer exists: {why}, at {when}"

@@ -231,11 +231,17 @@ class FnCallService:
         during the call for a reason other than memory (it is replaced).
         """
         payload = _payload(req)
+        carried = len(req.stdin) + sum(len(d) for d in req.files.values()) + len(req.code)
+        if carried > req.memory_mb << 20:
+            raise InvalidArgument(
+                f"stdin, files and code are {carried / (1 << 20):.1f} MiB, more than the call's"
+                f" memory_mb={req.memory_mb}: they live in its memory; raise memory_mb"
+            )
         pool = self._pool(req.image, req.language)
         worker = await pool.acquire()
         healthy = False
         try:
-            self._limit_memory(worker, req.memory_mb)
+            self._limit_memory(worker, req.memory_mb, carried)
             bound = req.timeout_s + HANG_MARGIN_S
             if req.language in ("c", "cpp"):
                 bound += req.compile_timeout_s
@@ -269,16 +275,19 @@ class FnCallService:
         finally:
             pool.release(worker, healthy)
 
-    def _limit_memory(self, worker: Worker, memory_mb: int) -> None:
+    def _limit_memory(self, worker: Worker, memory_mb: int, carried: int) -> None:
         """Give the call ``memory_mb`` on top of what the worker holds now.
 
         The zygote and the process forked for the call are charged to the
         cgroup too, and what they hold drifts (a big call leaves the zygote's
         heap larger): measured before each call, so a call's room never depends
-        on the calls before it. Written only when it moved by a MiB or more.
+        on the calls before it. ``carried`` bytes of stdin and files pass through
+        the zygote (base64 in a frame, then decoded) on their way to the call,
+        which gets them once: room for those copies is added. Written only when
+        the limit moved by a MiB or more.
         """
         rel = f"/sandfleet/{worker.id}"
-        limit = memory_mb * 1024 * 1024 + self.backend.cgroups.memory_usage(rel)
+        limit = (memory_mb << 20) + self.backend.cgroups.memory_usage(rel) + 3 * carried
         if worker.limit_bytes is not None and abs(limit - worker.limit_bytes) < 1 << 20:
             return
         try:

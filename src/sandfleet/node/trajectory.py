@@ -241,6 +241,20 @@ class BoxLog:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(moved.wait(), left)
 
+    def skip(self, step: int) -> None:
+        """A step its caller cancelled (maybe before it arrived): the calls after it need
+        not wait for it. A call that comes for it later runs, as in any hole."""
+        self._top = max(self._top, step + 1)
+        self._notify()
+
+    def abandon(self, reserved: _Running) -> None:
+        """Free a step whose call the stopping node agent cut short, keeping its mark."""
+        if self.running.get(reserved.step) is reserved:
+            del self.running[reserved.step]
+        if not reserved.done.done():
+            reserved.done.set_result(None)
+        self._notify()
+
     def release(self, reserved: _Running) -> None:
         """Free a reserved step whose call did not end with a result (or once logged)."""
         if self.running.get(reserved.step) is reserved:
@@ -424,6 +438,7 @@ class Logged:
     def __init__(self, svc: NodeService) -> None:
         self._svc = svc
         self._detached: dict[tuple[str, int], asyncio.Future[Response]] = {}
+        self._cancelling: set[tuple[str, int]] = set()
 
     async def detached(self, sandbox_id: str, step: int, work: Awaitable[Response]) -> Response:
         """Run a logged call to its end even if its caller goes away.
@@ -452,17 +467,22 @@ class Logged:
         the step. Waits for a running call that cannot be cancelled to end.
         """
         box = self._log(sandbox_id)
-        task = self._detached.get((sandbox_id, step))
+        key = (sandbox_id, step)
+        task = self._detached.get(key)
         cancelled = False
         if task is not None and not task.done():
+            self._cancelling.add(key)
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+            self._cancelling.discard(key)
             cancelled = True
-        try:
-            got = await box.begin(step)
-        except InvalidArgument:  # beyond the log: never arrived
-            return "free"
+        if step not in box.index and step not in box.running:
+            # Stopped, or never arrived (cancelled on its way): a hole the calls
+            # after it must not wait for.
+            box.skip(step)
+            return "cancelled" if cancelled else "free"
+        got = await box.begin(step)
         if isinstance(got, _Entry):
             return "logged"
         box.release(got)
@@ -547,6 +567,14 @@ class Logged:
         try:
             box.mark(step, doc)
             result = await run()
+        except asyncio.CancelledError:
+            if (sandbox_id, step) in self._cancelling:
+                box.release(got)  # its caller asked: the step is free again
+            else:
+                # The node agent is stopping: its command dies with it. The mark
+                # stays, and the next start logs the step as killed (never rerun).
+                box.abandon(got)
+            raise
         except BaseException:
             box.release(got)
             raise

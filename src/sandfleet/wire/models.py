@@ -170,6 +170,10 @@ class SandboxInfo(WireResponse):
     expires_at: float | None = Field(None, description="Unix time the TTL ends, seconds.")
     idle_ttl_s: float | None = None
     last_active_at: float | None = Field(None, description="Unix time of the last call, seconds.")
+    ended: str | None = Field(
+        None, description="Why it is gone: 'destroyed', 'TTL', 'idle TTL', 'gone from its node'."
+    )
+    ended_at: float | None = Field(None, description="Unix time it ended, seconds.")
 
 
 class LifetimeRequest(WireModel):

@@ -6,6 +6,7 @@ filter on, so adding a field needs no migration.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -105,10 +106,15 @@ class SqlStore:
             ).first()
         return SandboxInfo.model_validate_json(row[0]) if row else None
 
-    def set_sandbox_state(self, sandbox_id: str, state: SandboxState) -> None:
+    def set_sandbox_state(
+        self, sandbox_id: str, state: SandboxState, ended: str | None = None
+    ) -> None:
         current = self.get_sandbox(sandbox_id)
         if current is not None:
-            self.put_sandbox(current.model_copy(update={"state": state}))
+            update: dict[str, object] = {"state": state}
+            if ended is not None:
+                update |= {"ended": ended, "ended_at": time.time()}
+            self.put_sandbox(current.model_copy(update=update))
 
     def delete_sandbox(self, sandbox_id: str) -> None:
         with self._engine.begin() as c:
