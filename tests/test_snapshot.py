@@ -381,7 +381,7 @@ def test_errors_say_what_to_change(client: Client, dep: LocalDeployment) -> None
         with pytest.raises(InvalidArgument, match="n must be an int from 1 to 64"):
             sb.fork(0)
         ghost = client.get(sb.id)
-    with pytest.raises(NotFound, match=f"sandbox {sb.id} does not exist"):
+    with pytest.raises(NotFound, match=f"sandbox {sb.id} no longer exists: it was destroyed"):
         ghost.snapshot()
     assert [m.ref for m in client.images() if m.ref.startswith("test/taken")] == ["test/taken:1"]
 
