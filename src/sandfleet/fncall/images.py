@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TextIO
 
 from sandfleet.wire.models import FNCALL_IMAGE
 
@@ -12,11 +13,12 @@ __all__ = ["FNCALL_PACKAGES", "ensure_fncall_image"]
 FNCALL_PACKAGES = ["python3", "bash", "gcc", "g++", "libc6-dev"]
 
 
-def ensure_fncall_image(images_dir: Path, log: object = None) -> str:
+def ensure_fncall_image(images_dir: Path, log: TextIO | None = None) -> str:
     """Build :data:`FNCALL_IMAGE` with debootstrap unless it exists (about 2 minutes, once).
 
-    Returns the image reference. Raises what :func:`build_debootstrap` raises
-    (``Unavailable`` when no Debian mirror answers).
+    A line goes to ``log`` when it builds. Returns the image reference. Raises
+    what :func:`build_debootstrap` raises (``Unavailable`` when no Debian mirror
+    answers).
     """
     from sandfleet.images import ImageStore, build_debootstrap
     from sandfleet.wire.errors import NotFound
@@ -26,6 +28,6 @@ def ensure_fncall_image(images_dir: Path, log: object = None) -> str:
         store.resolve(FNCALL_IMAGE)
     except NotFound:
         if log is not None:
-            print(f"building {FNCALL_IMAGE} with debootstrap (about 2 minutes, once)", file=log)  # type: ignore[call-overload]
+            print(f"building {FNCALL_IMAGE} with debootstrap (about 2 minutes, once)", file=log)
         build_debootstrap(store, FNCALL_IMAGE, FNCALL_PACKAGES)
     return FNCALL_IMAGE
