@@ -487,3 +487,28 @@ def test_debootstrap_bookworm_with_python3(
     assert list((root / "var" / "lib" / "apt" / "lists").iterdir()) == []
     for d in ("proc", "sys", "dev", "tmp", "root"):
         assert (root / d).is_dir()
+
+
+def test_image_rm_then_prune_deletes_only_layers_no_image_uses(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sandfleet.cli import images as _registers_image  # noqa: F401 - the `image` group
+    from sandfleet.cli.main import cli
+    from sandfleet.images import build_busybox
+
+    store = ImageStore(tmp_path / "images")
+    kept = build_busybox(store, "test/kept:1", log=lambda _: None)
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "only-here").write_text("x")
+    gone = build_from_directory(store, "test/gone:1", tree, log=lambda _: None)
+    args = ["--images-dir", str(store.root), "--state-dir", str(tmp_path / "state")]
+    runner = CliRunner()
+    removed = runner.invoke(cli, ["image", "rm", "test/gone:1", *args])
+    assert removed.exit_code == 0 and "image prune" in removed.output
+    assert store.layer_path(gone.layers[0].digest).exists()  # a tag went, not its layer
+    pruned = runner.invoke(cli, ["image", "prune", "--min-age", "0", *args])
+    assert pruned.exit_code == 0, pruned.output
+    assert "1 unused layers deleted" in pruned.output
+    assert not store.layer_path(gone.layers[0].digest).exists()
+    assert store.layer_path(kept.layers[0].digest).exists()

@@ -127,8 +127,34 @@ def inspect(ref: str, state_dir: Path | None, images_dir: Path | None) -> None:
 @_state_opt
 @_images_opt
 def rm(ref: str, state_dir: Path | None, images_dir: Path | None) -> None:
-    """Remove an image's tag (layers stay until no image uses them)."""
+    """Remove an image's tag; its layers stay (other images may share them) until
+    `sandfleet image prune` deletes those no image uses."""
     from sandfleet.images import ImageStore
 
     ImageStore(_dirs(state_dir, images_dir)[1]).remove(ref)
-    click.echo(f"removed {ref}")
+    click.echo(f"removed {ref} (`sandfleet image prune` deletes layers no image uses)")
+
+
+@image.command("prune")
+@_state_opt
+@_images_opt
+@click.option(
+    "--min-age",
+    "min_age_s",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Keep unused layers younger than this, seconds (one being built or snapshotted"
+    " is not referenced yet).",
+)
+def prune(state_dir: Path | None, images_dir: Path | None, min_age_s: float) -> None:
+    """Delete layers no image uses (left by `image rm`, or by snapshots' images removed).
+
+    A layer mounted by a running sandbox stays readable to it: the mount holds the file.
+    """
+    from sandfleet.images import ImageStore
+
+    removed = ImageStore(_dirs(state_dir, images_dir)[1]).prune(min_age_s=min_age_s)
+    for digest in removed:
+        click.echo(f"deleted layer {digest}")
+    click.echo(f"{len(removed)} unused layers deleted")

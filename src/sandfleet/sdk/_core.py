@@ -260,9 +260,10 @@ def check_kind(kind: str) -> None:
         raise InvalidArgument(
             f"kind {kind!r} is not built in this release; kinds available: {available}"
         )
+    planned = ", ".join(repr(k) for k in KINDS if k not in BUILT_KINDS and k != "fncall")
     raise InvalidArgument(
-        f"unknown kind {kind!r}; kinds available: {available}"
-        f" (planned: {', '.join(repr(k) for k in KINDS if k not in BUILT_KINDS)})"
+        f"unknown kind {kind!r}; kinds available: {available} (stateless calls:"
+        f" client.run(code, kind='fncall'); planned: {planned})"
     )
 
 
