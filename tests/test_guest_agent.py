@@ -233,8 +233,12 @@ def test_k2_argv_sleep_times_out(agent: Agent) -> None:
     t0 = time.monotonic()
     r = run(agent.client.exec(ExecRequest(cmd=["sleep", "10"], timeout_s=1.0)))
     assert r.status == "timeout" and time.monotonic() - t0 < 2.5
-    # the handler reaped the killed sleep before answering: nothing is left
-    assert descendants(agent.proc.pid) == {}
+    # The handler reaped the killed sleep before answering; the handler itself
+    # exits right after its answer (give it a moment on a busy host): nothing is left.
+    deadline = time.monotonic() + 2.0
+    while (left := descendants(agent.proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == {}
 
 
 def test_k2_stdin_is_empty_unless_given(agent: Agent) -> None:
