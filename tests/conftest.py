@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sandfleet.cli.local import LocalDeployment
 from sandfleet.images import ImageStore, build_from_directory, busybox_tree
 from sandfleet.node.leaks import leftovers
+from sandfleet.sdk import Client
+from sandfleet.wire.models import RunResult
 
 #: Debian images take a minute to build; tests keep them here between runs.
 CACHE_DIR = Path(os.environ.get("SANDFLEET_TEST_CACHE", "/var/tmp/sandfleet-test-cache"))
@@ -54,6 +57,28 @@ def fncall_images_dir() -> Path:
     root = CACHE_DIR / "images"
     ensure_fncall_image(root, sys.stderr)
     return root
+
+
+class FnClient(Client):
+    """A Client whose ``run`` defaults to ``kind="fncall"`` (the SDK's default is a sandbox)."""
+
+    def run(self, code: Any, **kwargs: Any) -> RunResult:
+        kwargs.setdefault("kind", "fncall")
+        return super().run(code, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fncall_dep(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    fncall_images_dir: Path,
+) -> Iterator[LocalDeployment]:
+    """One real `sandfleet up` with the fncall image per module; its node must be clean after."""
+    name = request.module.__name__.rpartition(".")[2]
+    state = tmp_path_factory.mktemp(name) / "state"
+    with LocalDeployment(state, fncall_images_dir) as dep:
+        yield dep
+    assert_clean(dep.state_dir)
 
 
 @pytest.fixture

@@ -27,31 +27,12 @@ from sandfleet import errors
 from sandfleet.cli.local import LocalDeployment
 from sandfleet.sdk import AsyncClient, Client
 from sandfleet.wire.models import RunResult
-from tests.conftest import assert_clean
+from tests.conftest import FnClient
 
 pytestmark = pytest.mark.root
 
 #: Default cap of captured stdout and stderr each (RunRequest.max_output_bytes).
 OUTPUT_CAP = 1 << 20
-
-
-class FnClient(Client):
-    """A Client whose ``run`` defaults to ``kind="fncall"`` (the SDK's default is a sandbox)."""
-
-    def run(self, code: Any, **kwargs: Any) -> RunResult:
-        kwargs.setdefault("kind", "fncall")
-        return super().run(code, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def fncall_dep(
-    tmp_path_factory: pytest.TempPathFactory, fncall_images_dir: Path
-) -> Iterator[LocalDeployment]:
-    """One real `sandfleet up` with the fncall image; the node must be clean after it."""
-    state = tmp_path_factory.mktemp("fncall-contract") / "state"
-    with LocalDeployment(state, fncall_images_dir) as dep:
-        yield dep
-    assert_clean(dep.state_dir)
 
 
 @pytest.fixture(scope="module")
