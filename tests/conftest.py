@@ -82,6 +82,18 @@ def fncall_dep(
 
 
 @pytest.fixture
+def nginx_store(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real nginx on a free port serving an empty directory as a writable blob store
+    (WebDAV PUT/DELETE, JSON autoindex): yields ``(url, root_dir)``."""
+    from tests.nginx import nginx_server
+
+    root = tmp_path / "nginx-root"
+    root.mkdir()
+    with nginx_server(root) as url:
+        yield url, root
+
+
+@pytest.fixture
 def deployment(tmp_path: Path, images_dir: Path) -> Iterator[LocalDeployment]:
     """A real `sandfleet up` on free ports; after the test, nothing may be left on its node."""
     with LocalDeployment(tmp_path / "state", images_dir) as dep:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -24,11 +25,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
+from sandfleet.backends.base import Backend, BoxHandle, LayerSource, SandboxSpec
 from sandfleet.backends.container import ContainerBackend
 from sandfleet.backends.container import backend as backend_module
 from sandfleet.backends.container.bundle import AGENT_CAPS, COMMAND_CAPS, DEFAULT_CAPS, oci_config
 from sandfleet.backends.container.disk import loop_devices_under
+from sandfleet.images import pack_erofs
 from sandfleet.node.mounts import mounts_under
 from sandfleet.wire.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from sandfleet.wire.models import ExecRequest, ExecResult
@@ -61,14 +63,23 @@ def new_id() -> str:
     return f"{_PREFIX}{next(_counter)}"
 
 
-def _mkfs(tree: Path, out: Path) -> Path:
+def _mkfs(tree: Path, out: Path) -> LayerSource:
+    """A whole EROFS image of ``tree`` (metadata and data in one file)."""
     subprocess.run(["mkfs.erofs", "--quiet", str(out), str(tree)], check=True)
-    return out
+    return LayerSource(meta=out)
+
+
+def _split(tree: Path, out_dir: Path, name: str) -> LayerSource:
+    """A split EROFS layer of ``tree``: metadata image plus data blob, as images store them."""
+    blob = out_dir / f"{name}.blob"
+    meta = pack_erofs(tree, out_dir / f"{name}.erofs", blob_file=blob)
+    digest = hashlib.sha256(meta.read_bytes() + blob.read_bytes()).hexdigest()
+    return LayerSource(meta=meta, data=blob, digest=f"sha256:{digest}")
 
 
 @pytest.fixture(scope="session")
-def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An EROFS layer with /bin/busybox and its applets as relative symlinks."""
+def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> LayerSource:
+    """A split EROFS layer with /bin/busybox and its applets as relative symlinks."""
     busybox = shutil.which("busybox")
     if busybox is None:
         pytest.skip("needs busybox-static")
@@ -85,7 +96,7 @@ def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (tree / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (tree / "tmp").chmod(0o1777)
-    return _mkfs(tree, tmp_path_factory.mktemp("layers") / "busybox.erofs")
+    return _split(tree, tmp_path_factory.mktemp("layers"), "busybox")
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +166,7 @@ def backend(tmp_path: Path, agent: Path) -> Iterator[ContainerBackend]:
     assert mounts_under(be.state_dir) == []
 
 
-def spec(layer: Path, **kw: Any) -> SandboxSpec:
+def spec(layer: LayerSource, **kw: Any) -> SandboxSpec:
     args: dict[str, Any] = {
         "id": new_id(), "kind": "container", "layers": [layer],
         "cpu": 1.0, "memory_mb": 256, "pids_limit": 256,
@@ -219,7 +230,7 @@ def test_capabilities(backend: ContainerBackend) -> None:
 # ---------------------------------------------------------------------- lifecycle
 
 
-def test_create_exec_destroy(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_create_exec_destroy(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         s = spec(busybox_layer, env={"GREETING": "hello world"})
         h = await backend.create(s)
@@ -235,7 +246,7 @@ def test_create_exec_destroy(backend: ContainerBackend, busybox_layer: Path) -> 
 
 
 def test_two_sandboxes_share_one_layer_mount(
-    backend: ContainerBackend, busybox_layer: Path
+    backend: ContainerBackend, busybox_layer: LayerSource
 ) -> None:
     async def body() -> None:
         a = await backend.create(spec(busybox_layer))
@@ -257,10 +268,65 @@ def test_two_sandboxes_share_one_layer_mount(
     run(body())
 
 
+def test_whole_and_split_layers_stack(
+    backend: ContainerBackend, busybox_layer: LayerSource, tmp_path: Path
+) -> None:
+    whole_tree, split_tree = tmp_path / "whole", tmp_path / "split"
+    for tree in (whole_tree, split_tree):
+        (tree / "etc").mkdir(parents=True)
+    (whole_tree / "etc" / "both").write_text("whole\n")
+    (whole_tree / "etc" / "whole-only").write_text("from the whole image\n")
+    big = os.urandom(300_000)
+    (split_tree / "etc" / "both").write_text("split\n")
+    (split_tree / "etc" / "big").write_bytes(big)
+    whole = _mkfs(whole_tree, tmp_path / "whole.erofs")
+    top = _split(split_tree, tmp_path, "top")
+
+    async def body() -> None:
+        h = await backend.create(spec(busybox_layer, layers=[busybox_layer, whole, top]))
+        r = await sh(h, "cat /etc/both /etc/whole-only; md5sum /etc/big; readlink /bin/sh")
+        assert r.ok, r.stderr
+        assert r.stdout.decode().split("\n") == [
+            "split", "from the whole image", f"{hashlib.md5(big).hexdigest()}  /etc/big",
+            "busybox", "",
+        ]  # fmt: skip
+        record = json.loads((backend.state_dir / "sandboxes" / h.id / "sandbox.json").read_text())
+        assert record["digests"] == [busybox_layer.digest, "", top.digest]
+        await backend.destroy(h.id)
+
+    run(body())
+
+
+def test_layers_differing_only_in_data_get_their_own_mounts(
+    backend: ContainerBackend, busybox_layer: LayerSource, tmp_path: Path
+) -> None:
+    tops = []
+    for name in ("a", "b"):
+        tree = tmp_path / name
+        (tree / "etc").mkdir(parents=True)
+        (tree / "etc" / "which").write_text(name * 4 + "\n")
+        tops.append(_split(tree, tmp_path, name))
+    # Same names and sizes: the same metadata image, over different data.
+    assert tops[0].meta.read_bytes() == tops[1].meta.read_bytes()
+
+    async def body() -> None:
+        boxes = [await backend.create(spec(busybox_layer, layers=[busybox_layer, t])) for t in tops]
+        for h, name in zip(boxes, ("a", "b"), strict=True):
+            r = await sh(h, "cat /etc/which")
+            assert r.stdout == (name * 4 + "\n").encode(), r
+        assert sorted(backend.layers.mounted().values()) == [1, 1, 2]
+        for h in boxes:
+            await backend.destroy(h.id)
+
+    run(body())
+
+
 # ---------------------------------------------------------------------- containment
 
 
-def test_network_is_loopback_only_and_up(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_network_is_loopback_only_and_up(
+    backend: ContainerBackend, busybox_layer: LayerSource
+) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer))
         r = await sh(h, "ip -o link")
@@ -273,7 +339,7 @@ def test_network_is_loopback_only_and_up(backend: ContainerBackend, busybox_laye
     run(body())
 
 
-def test_proc_masked_and_caps(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_proc_masked_and_caps(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer))
         # masked: /dev/null over files (or absent, as /proc/kcore on some kernels)
@@ -303,7 +369,7 @@ def test_proc_masked_and_caps(backend: ContainerBackend, busybox_layer: Path) ->
     run(body())
 
 
-def test_memory_limit_oom_kill(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_memory_limit_oom_kill(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer, memory_mb=32))
         assert backend.oom_kills(h.id) == 0
@@ -319,7 +385,7 @@ def test_memory_limit_oom_kill(backend: ContainerBackend, busybox_layer: Path) -
     run(body())
 
 
-def test_pids_limit_stops_fork_bomb(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_pids_limit_stops_fork_bomb(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer, pids_limit=64))
         n = await backend.create(spec(busybox_layer))
@@ -340,7 +406,7 @@ def test_pids_limit_stops_fork_bomb(backend: ContainerBackend, busybox_layer: Pa
 # ---------------------------------------------------------------------- failures
 
 
-def test_invalid_limits(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_invalid_limits(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         for kw, word in (
             ({"memory_mb": 1}, "memory_mb"),
@@ -352,16 +418,20 @@ def test_invalid_limits(backend: ContainerBackend, busybox_layer: Path) -> None:
             with pytest.raises(InvalidArgument, match=word):
                 await backend.create(spec(busybox_layer, **kw))
         with pytest.raises(NotFound):
-            await backend.create(spec(Path("/nonexistent/layer.erofs")))
+            await backend.create(spec(LayerSource(meta=Path("/nonexistent/layer.erofs"))))
+        missing_blob = LayerSource(meta=busybox_layer.meta, data=Path("/nonexistent/layer.blob"))
+        with pytest.raises(NotFound, match="data blob"):
+            await backend.create(spec(missing_blob))
+        assert set(backend.layers.mounted().values()) <= {0}
 
     run(body())
 
 
 def test_corrupt_layer_leaves_nothing(
-    backend: ContainerBackend, busybox_layer: Path, tmp_path: Path
+    backend: ContainerBackend, busybox_layer: LayerSource, tmp_path: Path
 ) -> None:
-    bad = tmp_path / "corrupt.erofs"
-    bad.write_bytes(os.urandom(1 << 20))
+    bad = LayerSource(meta=tmp_path / "corrupt.erofs")
+    bad.meta.write_bytes(os.urandom(1 << 20))
 
     async def body() -> None:
         with pytest.raises(Internal, match="EROFS"):
@@ -372,7 +442,7 @@ def test_corrupt_layer_leaves_nothing(
 
 
 def test_runc_error_leaves_nothing(
-    backend: ContainerBackend, busybox_layer: Path, tmp_path: Path
+    backend: ContainerBackend, busybox_layer: LayerSource, tmp_path: Path
 ) -> None:
     # /.sandfleet as a regular file: runc cannot create its bind-mount targets.
     tree = tmp_path / "t"
@@ -388,7 +458,7 @@ def test_runc_error_leaves_nothing(
     run(body())
 
 
-def test_agent_exiting_at_once_leaves_nothing(tmp_path: Path, busybox_layer: Path) -> None:
+def test_agent_exiting_at_once_leaves_nothing(tmp_path: Path, busybox_layer: LayerSource) -> None:
     # busybox run as /.sandfleet/agent finds no applet named "agent" and exits 127.
     busybox = shutil.which("busybox")
     assert busybox is not None
@@ -409,7 +479,9 @@ def test_agent_exiting_at_once_leaves_nothing(tmp_path: Path, busybox_layer: Pat
     assert mounts_under(be.state_dir) == []
 
 
-def test_destroy_after_container_died(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_destroy_after_container_died(
+    backend: ContainerBackend, busybox_layer: LayerSource
+) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer))
         assert h.pid is not None
@@ -424,7 +496,7 @@ def test_destroy_after_container_died(backend: ContainerBackend, busybox_layer: 
 
 
 def test_recover_adopts_running_and_removes_dead(
-    tmp_path: Path, agent: Path, busybox_layer: Path
+    tmp_path: Path, agent: Path, busybox_layer: LayerSource
 ) -> None:
     state = tmp_path / "state"
     first = ContainerBackend(state, agent)
@@ -464,7 +536,7 @@ def test_recover_adopts_running_and_removes_dead(
 # ---------------------------------------------------------------------- users
 
 
-def test_command_as_another_user(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_command_as_another_user(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     from sandfleet.guest.client import AgentClient
 
     async def body() -> None:
@@ -483,7 +555,7 @@ def test_command_as_another_user(backend: ContainerBackend, busybox_layer: Path)
 # ---------------------------------------------------------------------- limits
 
 
-def test_disk_limit_gives_enospc(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_disk_limit_gives_enospc(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer, disk_mb=32))
         n = await backend.create(spec(busybox_layer, disk_mb=256))
@@ -519,7 +591,7 @@ def test_disk_limit_gives_enospc(backend: ContainerBackend, busybox_layer: Path)
     run(body())
 
 
-def test_disk_limit_range(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_disk_limit_range(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         lo, hi = backend.capabilities()["disk_mb_range"]
         for bad in (lo - 1, hi + 1):
@@ -564,7 +636,7 @@ def _cpu_usage_s(sandbox_id: str) -> float:
     raise AssertionError("no cpu accounting file for the box")
 
 
-def test_cpu_share_is_enforced(backend: ContainerBackend, busybox_layer: Path) -> None:
+def test_cpu_share_is_enforced(backend: ContainerBackend, busybox_layer: LayerSource) -> None:
     async def body() -> None:
         h = await backend.create(spec(busybox_layer, cpu=0.2))
         busy = asyncio.ensure_future(sh(h, "while :; do :; done", timeout_s=3.5))
@@ -623,7 +695,10 @@ _STEPS = [
 
 @pytest.mark.parametrize("step", _STEPS)
 def test_failure_at_each_create_step_leaves_nothing(
-    backend: ContainerBackend, busybox_layer: Path, monkeypatch: pytest.MonkeyPatch, step: str
+    backend: ContainerBackend,
+    busybox_layer: LayerSource,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
 ) -> None:
     from sandfleet.backends.container import disk as disk_module
 
@@ -653,11 +728,11 @@ def test_failure_at_each_create_step_leaves_nothing(
 _CHILD = r"""
 import asyncio, os, signal, sys, time
 from pathlib import Path
-from sandfleet.backends.base import SandboxSpec
+from sandfleet.backends.base import LayerSource, SandboxSpec
 from sandfleet.backends.container import ContainerBackend
 from sandfleet.backends.container import backend as bm
 
-state, agent, layer, sid, step = sys.argv[1:]
+state, agent, meta, data, digest, sid, step = sys.argv[1:]
 be = ContainerBackend(Path(state), Path(agent))
 
 def die():
@@ -688,7 +763,8 @@ elif step == "runc":
     after(be, "_runc_run")
 elif step == "agent":
     after(be, "_wait_agent")
-spec = SandboxSpec(id=sid, kind="container", layers=[Path(layer)], cpu=1.0,
+layer = LayerSource(meta=Path(meta), data=Path(data), digest=digest)
+spec = SandboxSpec(id=sid, kind="container", layers=[layer], cpu=1.0,
                    memory_mb=128, pids_limit=64, disk_mb=64)
 asyncio.run(be.create(spec))
 print("created", flush=True)
@@ -698,12 +774,13 @@ die()
 
 @pytest.mark.parametrize("step", ["disk", "rootfs", "spawn", "spawn20", "runc", "agent", "done"])
 def test_node_killed_mid_create_then_recover_cleans(
-    tmp_path: Path, agent: Path, busybox_layer: Path, step: str
+    tmp_path: Path, agent: Path, busybox_layer: LayerSource, step: str
 ) -> None:
     state = tmp_path / "state"
     sid = new_id()
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(state), str(agent), str(busybox_layer), sid, step],
+        [sys.executable, "-c", _CHILD, str(state), str(agent), str(busybox_layer.meta),
+         str(busybox_layer.data), busybox_layer.digest, sid, step],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr

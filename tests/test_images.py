@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -15,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from sandfleet.blobstore import DEFAULT_CHUNK_SIZE, LayerRecord, ObjectRef
+from sandfleet.blobstore import keys as K
 from sandfleet.images import (
     ImageStore,
     build_debootstrap,
@@ -30,6 +34,7 @@ from sandfleet.images.extract import extract_archive
 from sandfleet.node import mounts
 from sandfleet.wire.errors import Internal, InvalidArgument, NotFound
 from sandfleet.wire.models import ImageConfig, ImageManifest, LayerKind
+from tests.layers import blob_from_chunks, mount_split, store_keys
 
 IS_ROOT = os.geteuid() == 0
 root_only = pytest.mark.skipif(not IS_ROOT, reason="needs root (EROFS mounts, chown)")
@@ -41,15 +46,22 @@ def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "store")
 
 
+#: Mounts an EROFS image read-only: (metadata image, data blob or None) -> mount point.
+MountLayer = Callable[[Path, Path | None], Path]
+#: Mounts a layer of an image store, its blob reassembled from the chunks: digest -> mount point.
+MountStored = Callable[[ImageStore, str], Path]
+
+
 @pytest.fixture
-def mount_layer(tmp_path: Path) -> Iterator[Callable[[Path], Path]]:
-    """Mount an EROFS file read-only; everything is unmounted at teardown."""
+def mount_layer(tmp_path: Path) -> Iterator[MountLayer]:
+    """Mount an EROFS image read-only (a split one with its blob as ``device=``);
+    everything is unmounted at teardown."""
     points: list[Path] = []
 
-    def do_mount(layer: Path) -> Path:
+    def do_mount(meta: Path, blob: Path | None) -> Path:
         mp = tmp_path / f"mnt{len(points)}"
         mp.mkdir()
-        mounts.mount(layer, mp, "erofs", mounts.MS_RDONLY)
+        mount_split(meta, blob, mp)
         points.append(mp)
         return mp
 
@@ -59,16 +71,46 @@ def mount_layer(tmp_path: Path) -> Iterator[Callable[[Path], Path]]:
     assert mounts.mounts_under(tmp_path) == []
 
 
+@pytest.fixture
+def mount_stored(tmp_path: Path, mount_layer: MountLayer) -> MountStored:
+    """Mount layer ``digest`` of a store: its metadata image with the blob rebuilt from chunks."""
+
+    def do_mount(store: ImageStore, digest: str) -> Path:
+        record = store.layer_record(digest)
+        blob = blob_from_chunks(store, record, tmp_path / f"{K.digest_hex(digest)}.blob")
+        return mount_layer(store.meta_path(record), blob)
+
+    return do_mount
+
+
 def put_image(
     store: ImageStore, ref: str, content: bytes, kind: LayerKind = "base", **cfg: Any
 ) -> None:
+    """Store a one-layer image: ``content`` as its metadata "image", ``b"data:" + content``
+    as its blob."""
     name, tag = parse_ref(ref)
-    src = _write(store.root.parent / f"{name.replace('/', '_')}-{tag}", content)
-    layer = store.add_layer(src, kind)
+    stem = store.root.parent / f"{name.replace('/', '_')}-{tag}"
+    meta = _write(stem.with_suffix(".meta"), content)
+    blob = _write(stem.with_suffix(".blob"), b"data:" + content)
+    layer = store.add_layer(meta, blob, kind)
     manifest = ImageManifest(
         name=name, tag=tag, kind=kind, layers=[layer], config=ImageConfig(**cfg)
     )
     store.put(manifest)
+
+
+def layer_keys(store: ImageStore, digest: str) -> set[str]:
+    """Every key layer ``digest`` is made of in the store: record, metadata and chunks."""
+    record = store.layer_record(digest)
+    keys = {K.layer_key(digest), K.meta_key(record.meta.digest)}
+    return keys | {K.chunk_key(c) for c in record.chunks}
+
+
+def all_objects(store: ImageStore) -> list[str]:
+    """Every layer record, metadata image and chunk in the store, sorted."""
+    return sorted(
+        k for prefix in ("layers/", "metas/", "chunks/") for k in store_keys(store, prefix)
+    )
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -213,28 +255,103 @@ def test_store_roundtrip_list_remove_prune(store: ImageStore) -> None:
     path = store.root / "manifests" / "a" / "1.json"
     assert json.loads(path.read_text())["layers"][0]["digest"] == m.layers[0].digest
     assert [x.ref for x in store.list()] == ["a:1", "b:latest"]
+    gone = layer_keys(store, m.layers[0].digest)
+    kept = layer_keys(store, store.resolve("b").layers[0].digest)
     assert store.remove("a:1").ref == "a:1"
     with pytest.raises(NotFound):
         store.resolve("a:1")
     assert store.prune() == []  # too young to prune
-    assert store.prune(min_age_s=0) == [m.layers[0].digest]
-    assert not store.layer_path(m.layers[0].digest).exists()
-    assert store.resolve("b").layers  # still referenced, kept
+    assert sorted(store.prune(min_age_s=0)) == sorted(gone)  # record, metadata and chunk
+    assert not any(store.blobs.exists(k) for k in gone)
+    assert all_objects(store) == sorted(kept)  # still referenced, kept
+    assert store.resolve("b").layers
 
 
-def test_add_layer_dedups_and_consumes_the_file(store: ImageStore, tmp_path: Path) -> None:
-    a, b = _write(tmp_path / "a", b"same"), _write(tmp_path / "b", b"same")
-    da, db = store.add_layer(a, "base"), store.add_layer(b, "base")
-    assert da == db and da.size == 4
-    assert da.digest == "sha256:" + __import__("hashlib").sha256(b"same").hexdigest()
-    assert not a.exists() and not b.exists()
-    assert len(list(store.layers_dir.iterdir())) == 1
+def test_add_layer_dedups_and_consumes_the_files(store: ImageStore, tmp_path: Path) -> None:
+    meta, blob = b"metadata image", b"data blob"
+    files = [
+        _write(tmp_path / f"{n}-{i}", d) for i in (1, 2) for n, d in (("m", meta), ("b", blob))
+    ]
+    da, db = (
+        store.add_layer(files[0], files[1], "base"),
+        store.add_layer(files[2], files[3], "base"),
+    )
+    assert da == db and da.size == len(meta) + len(blob)
+    record = LayerRecord(
+        meta=ObjectRef(digest=K.sha256_digest(meta), size=len(meta)),
+        blob_size=len(blob),
+        chunk_size=DEFAULT_CHUNK_SIZE,
+        chunks=[K.sha256_digest(blob)],
+    )  # the record is the layer: its digest is the sha256 of the stored bytes
+    assert da.digest == "sha256:" + hashlib.sha256(record.to_bytes()).hexdigest()
+    assert store.layer_record(da.digest) == record
+    assert store.blobs.path(K.layer_key(da.digest)).read_bytes() == record.to_bytes()
+    assert store.meta_path(record).read_bytes() == meta
+    assert store.blobs.path(K.chunk_key(record.chunks[0])).read_bytes() == blob
+    assert not any(f.exists() for f in files)
+    assert all_objects(store) == sorted(layer_keys(store, da.digest))  # each stored once
+    assert store.has_data(record)
     assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_add_layer_cuts_the_blob_into_chunks_stored_once_across_layers(
+    store: ImageStore, tmp_path: Path
+) -> None:
+    mib = 1 << 20
+    shared = os.urandom(3 * mib)  # three whole chunks, the same in both layers
+    one = store.add_layer(
+        _write(tmp_path / "m1", b"meta one"), _write(tmp_path / "b1", shared + b"one"), "base"
+    )
+    two = store.add_layer(
+        _write(tmp_path / "m2", b"meta two"), _write(tmp_path / "b2", shared + b"two!"), "diff"
+    )
+    r1, r2 = store.layer_record(one.digest), store.layer_record(two.digest)
+    assert (r1.chunk_size, r1.blob_size, len(r1.chunks)) == (mib, 3 * mib + 3, 4)
+    assert (r2.blob_size, len(r2.chunks), r2.chunk_length(3)) == (3 * mib + 4, 4, 4)
+    assert r1.chunks[:3] == r2.chunks[:3] and r1.chunks[3] != r2.chunks[3]
+    assert r1.chunks[:3] == [K.sha256_digest(shared[i * mib : (i + 1) * mib]) for i in range(3)]
+    chunk_files = [store.blobs.path(k) for k in store_keys(store, "chunks/")]
+    assert len(chunk_files) == 5  # 3 shared + 2 tails, not 8
+    assert sum(f.stat().st_size for f in chunk_files) == 3 * mib + 3 + 4
+    assert blob_from_chunks(store, r2, tmp_path / "again").read_bytes() == shared + b"two!"
+    # Another chunk size: another record, and chunks of that size.
+    small = store.add_layer(
+        _write(tmp_path / "m3", b"meta one"),
+        _write(tmp_path / "b3", shared + b"one"),
+        "base",
+        chunk_size=mib // 2,
+    )
+    r3 = store.layer_record(small.digest)
+    assert small.digest != one.digest and (r3.chunk_size, len(r3.chunks)) == (mib // 2, 7)
+    assert blob_from_chunks(store, r3, tmp_path / "small").read_bytes() == shared + b"one"
+
+
+@pytest.mark.parametrize("chunk_size", [0, -4096, 1000, 4097, (1 << 20) + 512])
+def test_add_layer_rejects_a_bad_chunk_size(
+    store: ImageStore, tmp_path: Path, chunk_size: int
+) -> None:
+    meta, blob = _write(tmp_path / "m", b"meta"), _write(tmp_path / "b", b"blob")
+    with pytest.raises(InvalidArgument, match="multiple of 4096"):
+        store.add_layer(meta, blob, "base", chunk_size=chunk_size)
+    assert all_objects(store) == []
+
+
+def test_add_layer_needs_both_files_and_a_known_kind(store: ImageStore, tmp_path: Path) -> None:
+    meta, blob = _write(tmp_path / "m", b"meta"), _write(tmp_path / "b", b"blob")
+    with pytest.raises(NotFound, match="does not exist"):
+        store.add_layer(meta, tmp_path / "missing", "base")
+    with pytest.raises(NotFound, match="does not exist"):
+        store.add_layer(tmp_path / "missing", blob, "base")
+    with pytest.raises(InvalidArgument, match="invalid layer kind"):
+        store.add_layer(meta, blob, "fncall")  # type: ignore[arg-type]
+    assert all_objects(store) == []
 
 
 def test_put_rejects_missing_layer_and_bad_digest(store: ImageStore) -> None:
     with pytest.raises(InvalidArgument, match="sha256"):
-        store.layer_path("md5:abc")
+        store.layer_record("md5:abc")
+    with pytest.raises(NotFound, match="not in the image store"):
+        store.layer_record("sha256:" + "0" * 64)
     layer = {"digest": "sha256:" + "0" * 64, "size": 1, "kind": "base"}
     m = ImageManifest.model_validate({"name": "x", "tag": "1", "kind": "base", "layers": [layer]})
     with pytest.raises(NotFound, match="add_layer"):
@@ -244,15 +361,37 @@ def test_put_rejects_missing_layer_and_bad_digest(store: ImageStore) -> None:
 def test_stack_for_orders_layers_and_merges_config(store: ImageStore) -> None:
     put_image(store, "os:1", b"os", env={"PATH": "/bin", "A": "1"}, workdir="/root")
     put_image(store, "ws:1", b"ws", kind="workspace", env={"A": "2"}, workdir="/workspace")
-    paths, cfg = stack_for(store, "os:1", "ws:1")
-    assert [p.read_bytes() for p in paths] == [b"os", b"ws"]
+    stack, cfg = stack_for(store, "os:1", "ws:1")
+    assert [x.meta.read_bytes() for x in stack] == [b"os", b"ws"]
+    digests = [store.resolve(ref).layers[0].digest for ref in ("os:1", "ws:1")]
+    assert [x.digest for x in stack] == digests
+    assert [x.record for x in stack] == [store.layer_record(d) for d in digests]
+    assert [x.meta for x in stack] == [store.meta_path(x.record) for x in stack]
     assert cfg == ImageConfig(env={"PATH": "/bin", "A": "2"}, workdir="/workspace")
-    paths, cfg = stack_for(store, "os:1")
-    assert len(paths) == 1 and cfg.workdir == "/root"
+    stack, cfg = stack_for(store, "os:1")
+    assert len(stack) == 1 and cfg.workdir == "/root"
     with pytest.raises(InvalidArgument, match="workspace"):
         stack_for(store, "ws:1")
     with pytest.raises(InvalidArgument, match="not a workspace"):
         stack_for(store, "os:1", "os:1")
+
+
+def test_stack_for_a_layer_missing_from_the_store_says_pull_or_rebuild(
+    store: ImageStore,
+) -> None:
+    put_image(store, "os:1", b"os")
+    put_image(store, "ws:1", b"ws", kind="workspace")
+    ws = store.resolve("ws:1").layers[0].digest
+    record = store.layer_record(ws)
+    store.meta_path(record).unlink()  # the record is there, its metadata image is not
+    with pytest.raises(NotFound, match="pull") as exc:
+        stack_for(store, "os:1", "ws:1")
+    assert ws in exc.value.message and "ws:1" in exc.value.message
+    store.blobs.delete(K.layer_key(ws))  # now the record is gone too
+    with pytest.raises(NotFound, match=r"pull|rebuild") as exc:
+        stack_for(store, "os:1", "ws:1")
+    assert ws in exc.value.message and "ws:1" in exc.value.message
+    assert stack_for(store, "os:1")[0]  # the image alone still stacks
 
 
 # --------------------------------------------------------------------------- sources
@@ -346,7 +485,7 @@ def make_sdist(path: Path) -> Path:
 @root_only
 @has_mkfs
 def test_build_from_directory_with_busybox_mounts_and_reads_back(
-    store: ImageStore, tmp_path: Path, mount_layer: Callable[[Path], Path]
+    store: ImageStore, tmp_path: Path, mount_stored: MountStored
 ) -> None:
     busybox = Path(shutil.which("busybox") or "/bin/busybox")
     if not busybox.is_file():
@@ -362,16 +501,19 @@ def test_build_from_directory_with_busybox_mounts_and_reads_back(
 
     m = build_from_directory(store, "busybox:1", tree, log=lambda _: None)
     assert (m.ref, m.kind, len(m.layers)) == ("busybox:1", "base", 1)
-    layer = store.layer_path(m.layers[0].digest)
-    assert layer.stat().st_size == m.layers[0].size
+    record = store.layer_record(m.layers[0].digest)
+    assert store.meta_path(record).stat().st_size + record.blob_size == m.layers[0].size
+    assert store.has_data(record) and record.blob_size > 0  # the file data is in chunks,
+    assert store.meta_path(record).stat().st_size < busybox.stat().st_size  # not in the metadata
 
-    mp = mount_layer(layer)
+    mp = mount_stored(store, m.layers[0].digest)
     assert (mp / "etc" / "motd").read_text() == "hello from erofs\n"
     st = (mp / "etc" / "motd").stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640)
     assert os.readlink(mp / "bin" / "sh") == "busybox"
     out = subprocess.run([mp / "bin" / "busybox", "cat", mp / "etc" / "motd"], capture_output=True)
     assert out.stdout == b"hello from erofs\n"
+    assert (mp / "bin" / "busybox").read_bytes() == busybox.read_bytes()
     assert list(store.tmp_dir.iterdir()) == []
 
 
@@ -387,20 +529,93 @@ def test_same_tree_twice_is_one_layer(store: ImageStore, tmp_path: Path) -> None
     os.utime(tree / "d" / "f")
     b = build_from_directory(store, "b", tree, log=lambda _: None)
     assert a.layers[0].digest == b.layers[0].digest
-    assert len(list(store.layers_dir.iterdir())) == 1
+    assert len(store_keys(store, "layers/")) == len(store_keys(store, "metas/")) == 1
     assert {m.ref for m in store.list()} == {"a:latest", "b:latest"}
 
 
 @pytest.mark.root
 @root_only
 @has_mkfs
+def test_split_layer_mounts_with_its_blob_and_reads_back_byte_for_byte(
+    tmp_path: Path, mount_layer: MountLayer
+) -> None:
+    tree = tmp_path / "tree"
+    (tree / "d" / "e").mkdir(parents=True)
+    block = os.urandom(64 << 10)
+    files = {
+        "big": os.urandom((3 << 20) + 123),  # not a whole number of chunks
+        "d/repeats": block * 8,  # one 64 KiB chunk eight times: stored once in the blob
+        "d/e/small": b"small\n",
+        "empty": b"",
+    }
+    for name, data in files.items():
+        (tree / name).write_bytes(data)
+    os.link(tree / "big", tree / "d" / "hardlink")
+    (tree / "link").symlink_to("d/e/small")
+    os.chown(tree / "d" / "e" / "small", 1234, 5678)
+    os.chmod(tree / "d" / "e" / "small", 0o640)
+    meta, blob = tmp_path / "layer.erofs", tmp_path / "layer.blob"
+    assert pack_erofs(tree, meta, blob_file=blob) == meta
+    assert meta.stat().st_size < 64 << 10  # metadata only: no file data in it
+    data_size = len(files["big"]) + len(block)
+    assert data_size <= blob.stat().st_size < data_size + (64 << 10)
+    # The same tree packs to the same two files.
+    meta2, blob2 = tmp_path / "again.erofs", tmp_path / "again.blob"
+    pack_erofs(tree, meta2, blob_file=blob2)
+    assert meta2.read_bytes() == meta.read_bytes() and blob2.read_bytes() == blob.read_bytes()
+
+    mp = mount_layer(meta, blob)
+    for name, data in files.items():
+        assert (mp / name).read_bytes() == data, name
+    assert (mp / "d" / "hardlink").stat().st_ino == (mp / "big").stat().st_ino
+    assert os.readlink(mp / "link") == "d/e/small"
+    st = (mp / "d" / "e" / "small").stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640)
+    found = sorted(str(p.relative_to(mp)) for p in mp.rglob("*"))
+    assert found == ["big", "d", "d/e", "d/e/small", "d/hardlink", "d/repeats", "empty", "link"]
+
+
+@pytest.mark.root
+@root_only
+@has_mkfs
+def test_layers_sharing_a_big_file_store_its_chunks_once(
+    store: ImageStore, tmp_path: Path, mount_stored: MountStored
+) -> None:
+    big = os.urandom(4 << 20)
+    layers = []
+    for name in ("one", "two"):
+        tree = tmp_path / name
+        (tree / "opt").mkdir(parents=True)
+        (tree / "opt" / "big").write_bytes(big)
+        (tree / "opt" / f"z-{name}").write_bytes(os.urandom(100_000))  # data after the big file
+        m = build_from_directory(store, f"share/{name}:1", tree, log=lambda _: None)
+        layers.append(m.layers[0].digest)
+    r1, r2 = (store.layer_record(d) for d in layers)
+    assert layers[0] != layers[1]
+    shared = set(r1.chunks) & set(r2.chunks)
+    assert len(shared) >= 3, "the big file's whole chunks are the same in both layers"
+    chunk_keys = store_keys(store, "chunks/")
+    assert chunk_keys == sorted(K.chunk_key(c) for c in set(r1.chunks) | set(r2.chunks))
+    stored = sum(store.blobs.path(k).stat().st_size for k in chunk_keys)
+    assert stored <= r1.blob_size + r2.blob_size - len(shared) * r1.chunk_size
+    for name, digest in zip(("one", "two"), layers, strict=True):
+        mp = mount_stored(store, digest)
+        assert (mp / "opt" / "big").read_bytes() == big
+        assert (mp / "opt" / f"z-{name}").read_bytes() == (
+            tmp_path / name / "opt" / f"z-{name}"
+        ).read_bytes()
+
+
+@pytest.mark.root
+@root_only
+@has_mkfs
 def test_workspace_from_local_sdist(
-    store: ImageStore, tmp_path: Path, mount_layer: Callable[[Path], Path]
+    store: ImageStore, tmp_path: Path, mount_stored: MountStored
 ) -> None:
     sdist = make_sdist(tmp_path / "demo-1.0.tar.gz")
     m = build_workspace(store, "ws/demo:1.0", str(sdist), log=lambda _: None)
     assert m.kind == "workspace" and m.config.workdir == "/workspace"
-    mp = mount_layer(store.layer_path(m.layers[0].digest))
+    mp = mount_stored(store, m.layers[0].digest)
     assert sorted(p.name for p in mp.iterdir()) == ["workspace"]
     ws = mp / "workspace"
     assert sorted(p.name for p in ws.iterdir()) == ["demo", "run.sh", "setup.py"]
@@ -414,7 +629,7 @@ def test_workspace_from_local_sdist(
 @root_only
 @has_mkfs
 def test_workspace_from_local_git_repo_at_rev(
-    store: ImageStore, tmp_path: Path, mount_layer: Callable[[Path], Path]
+    store: ImageStore, tmp_path: Path, mount_stored: MountStored
 ) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -435,11 +650,11 @@ def test_workspace_from_local_git_repo_at_rev(
     old = build_workspace(store, "repo:v1", f"{repo}@{first.stdout.strip()}", log=lambda _: None)
     assert first.stdout.strip() in old.source
 
-    ws = mount_layer(store.layer_path(head.layers[0].digest)) / "workspace"
+    ws = mount_stored(store, head.layers[0].digest) / "workspace"
     assert (ws / "README").read_text() == "v2\n"
     assert (ws / "src" / "x.py").read_text() == "x = 1\n"
     assert (ws / ".git").is_dir() and not (ws / "uncommitted.txt").exists()
-    ws_old = mount_layer(store.layer_path(old.layers[0].digest)) / "workspace"
+    ws_old = mount_stored(store, old.layers[0].digest) / "workspace"
     assert (ws_old / "README").read_text() == "v1\n" and not (ws_old / "src").exists()
 
 
@@ -451,13 +666,16 @@ def test_failing_mkfs_leaves_no_temp_files(store: ImageStore, tmp_path: Path) ->
     with pytest.raises(Internal, match=r"mkfs\.erofs failed .*not a directory"):
         build_from_directory(store, "bad", not_a_dir, log=lambda _: None)
     assert list(store.tmp_dir.iterdir()) == []
-    assert list(store.layers_dir.iterdir()) == [] and store.list() == []
+    assert all_objects(store) == [] and store.list() == []
 
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with pytest.raises(Internal, match="root of the filesystem is not a directory"):
         pack_erofs(not_a_dir, out_dir / "x.erofs")
     assert list(out_dir.iterdir()) == []
+    with pytest.raises(Internal, match="root of the filesystem is not a directory"):
+        pack_erofs(not_a_dir, out_dir / "x.erofs", blob_file=out_dir / "x.blob")
+    assert list(out_dir.iterdir()) == []  # no metadata image, no blob
     with pytest.raises(NotFound):
         build_from_directory(store, "bad", tmp_path / "missing", log=lambda _: None)
 
@@ -467,9 +685,7 @@ def test_failing_mkfs_leaves_no_temp_files(store: ImageStore, tmp_path: Path) ->
 @root_only
 @has_mkfs
 @pytest.mark.timeout(900)
-def test_debootstrap_bookworm_with_python3(
-    store: ImageStore, mount_layer: Callable[[Path], Path]
-) -> None:
+def test_debootstrap_bookworm_with_python3(store: ImageStore, mount_stored: MountStored) -> None:
     if shutil.which("debootstrap") is None:
         pytest.skip("debootstrap is not installed")
     lines: list[str] = []
@@ -478,7 +694,7 @@ def test_debootstrap_bookworm_with_python3(
     assert m.config.workdir == "/root" and m.config.env["LANG"] == "C.UTF-8"
     assert mounts.mounts_under(store.root) == []
     assert list(store.tmp_dir.iterdir()) == []
-    root = mount_layer(store.layer_path(m.layers[0].digest))
+    root = mount_stored(store, m.layers[0].digest)
     assert (root / "usr" / "bin" / "python3").exists()
     # mtimes are kept so the .pyc files Debian compiled stay valid
     (os_py,) = root.glob("usr/lib/python3.*/os.py")
@@ -489,7 +705,7 @@ def test_debootstrap_bookworm_with_python3(
         assert (root / d).is_dir()
 
 
-def test_image_rm_then_prune_deletes_only_layers_no_image_uses(tmp_path: Path) -> None:
+def test_image_rm_then_gc_deletes_only_what_no_image_uses(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from sandfleet.cli import images as _registers_image  # noqa: F401 - the `image` group
@@ -503,12 +719,59 @@ def test_image_rm_then_prune_deletes_only_layers_no_image_uses(tmp_path: Path) -
     (tree / "etc" / "only-here").write_text("x")
     gone = build_from_directory(store, "test/gone:1", tree, log=lambda _: None)
     args = ["--images-dir", str(store.root), "--state-dir", str(tmp_path / "state")]
+    kept_keys = layer_keys(store, kept.layers[0].digest)
+    gone_keys = layer_keys(store, gone.layers[0].digest) - kept_keys  # chunks may be shared
+    assert K.layer_key(gone.layers[0].digest) in gone_keys
+    assert all_objects(store) == sorted(kept_keys | gone_keys)
     runner = CliRunner()
     removed = runner.invoke(cli, ["image", "rm", "test/gone:1", *args])
-    assert removed.exit_code == 0 and "image prune" in removed.output
-    assert store.layer_path(gone.layers[0].digest).exists()  # a tag went, not its layer
-    pruned = runner.invoke(cli, ["image", "prune", "--min-age", "0", *args])
+    assert removed.exit_code == 0 and "image gc" in removed.output
+    assert all_objects(store) == sorted(kept_keys | gone_keys)  # a tag went, not its layer
+    pruned = runner.invoke(cli, ["image", "gc", "--min-age", "0", *args])
     assert pruned.exit_code == 0, pruned.output
-    assert "1 unused layers deleted" in pruned.output
-    assert not store.layer_path(gone.layers[0].digest).exists()
-    assert store.layer_path(kept.layers[0].digest).exists()
+    named = set(
+        re.findall(r"(?:layers|metas|chunks)/sha256/[0-9a-f]{64}(?:\.json)?", pruned.output)
+    )
+    assert named == gone_keys, pruned.output  # each object deleted is named
+    assert str(len(gone_keys)) in pruned.output.splitlines()[-1]
+    assert all_objects(store) == sorted(kept_keys)
+    assert store.resolve("test/kept:1") == kept
+
+
+@pytest.mark.root
+@has_mkfs
+def test_a_toolkit_layer_goes_on_a_base_and_shares_its_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDFLEET_CHUNK_SIZE", str(64 << 10))
+    store = ImageStore(tmp_path / "store")
+    assert store.chunk_size == 64 << 10
+    base_dir, tools_dir = tmp_path / "base", tmp_path / "tools"
+    (base_dir / "etc").mkdir(parents=True)
+    (base_dir / "etc" / "os").write_bytes(os.urandom(200_000))
+    (tools_dir / "opt").mkdir(parents=True)
+    (tools_dir / "opt" / "tool").write_text("tool\n")
+    cfg = ImageConfig(env={"A": "1"}, workdir="/etc")
+    base = build_from_directory(store, "org/base:1", base_dir, config=cfg)
+    keys_before = set(store_keys(store, ""))
+    tk = build_from_directory(store, "org/tk:1", tools_dir, kind="toolkit", on="org/base:1")
+    assert [x.digest for x in tk.layers[:-1]] == [x.digest for x in base.layers]
+    assert tk.kind == "toolkit" and tk.layers[-1].kind == "toolkit"
+    assert tk.config == cfg and "on org/base:1" in tk.source  # inherited
+    assert keys_before <= set(store_keys(store, ""))  # the base's objects untouched
+    stack, _ = stack_for(store, "org/tk:1")
+    assert [x.digest for x in stack] == [x.digest for x in tk.layers]
+    assert store.layer_record(tk.layers[0].digest).chunk_size == 64 << 10
+    with pytest.raises(NotFound):
+        build_from_directory(store, "org/tk:2", tools_dir, on="org/none:1")
+
+
+def test_a_bad_chunk_size_setting_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDFLEET_CHUNK_SIZE", "1000")
+    with pytest.raises(InvalidArgument, match="SANDFLEET_CHUNK_SIZE"):
+        ImageStore(tmp_path / "s")
+    monkeypatch.setenv("SANDFLEET_CHUNK_SIZE", "lots")
+    with pytest.raises(InvalidArgument, match="multiple of 4096"):
+        ImageStore(tmp_path / "s")

@@ -24,6 +24,7 @@ import pytest
 
 from sandfleet.backends.base import SandboxSpec
 from sandfleet.backends.container import ContainerBackend
+from sandfleet.blobstore import keys as K
 from sandfleet.cli.local import LocalDeployment
 from sandfleet.guest.client import AgentClient
 from sandfleet.images import ImageStore, build_from_directory, pack_erofs, stack_for
@@ -47,6 +48,7 @@ from sandfleet.wire.models import (
     SnapshotRequest,
 )
 from tests.conftest import _busybox_tree, assert_clean
+from tests.layers import layer_source, mount_split, store_keys
 
 T = TypeVar("T")
 IMAGE = "test/snapbase:1"
@@ -157,23 +159,38 @@ def test_exclude_defaults_and_limits() -> None:
         exclude_regexes(["/a"] * 257)
 
 
+def _objects(store: ImageStore) -> list[str]:
+    """Every layer record, metadata image and chunk in the store, sorted."""
+    return sorted(k for x in ("layers/", "metas/", "chunks/") for k in store_keys(store, x))
+
+
 @pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
-def test_commit_that_loses_the_race_for_its_name_leaves_no_layer(tmp_path: Path) -> None:
+def test_commit_that_loses_the_race_for_its_name_leaves_only_what_gc_removes(
+    tmp_path: Path,
+) -> None:
     store = ImageStore(tmp_path / "store")
     tree = tmp_path / "t"
     tree.mkdir()
     (tree / "f").write_text("base")
     base = build_from_directory(store, "b:1", tree, log=lambda _: None)
+    base_objects = _objects(store)
     (tree / "f").write_text("diff")
-    store.put(ImageManifest(name="taken", tag="1", kind="diff", layers=base.layers))
+    taken = ImageManifest(name="taken", tag="1", kind="diff", layers=base.layers)
+    store.put(taken)
     with store.scratch() as scratch:
-        erofs = pack_erofs(tree, scratch / "diff.erofs")
+        meta, blob = scratch / "diff.erofs", scratch / "diff.blob"
+        pack_erofs(tree, meta, blob_file=blob)
         with pytest.raises(AlreadyExists, match="taken:1 already exists"):
-            _commit(store, "taken:1", erofs, base.layers, ImageConfig(), "test")
-    assert sorted(p.name for p in store.layers_dir.iterdir()) == [
-        base.layers[0].digest.removeprefix("sha256:") + ".erofs"
-    ]
+            _commit(store, "taken:1", meta, blob, base.layers, ImageConfig(), "test")
+        assert not meta.exists() and not blob.exists()  # consumed all the same
+    assert store.resolve("taken:1") == taken  # the winner's image is untouched
     assert list(store.tmp_dir.iterdir()) == []
+    # The loser's layer stays (content-addressed, it could be another image's) until a gc.
+    [diff] = [k for k in store_keys(store, "layers/") if k not in base_objects]
+    garbage = sorted(set(_objects(store)) - set(base_objects))
+    assert diff in garbage  # (the metadata is the base's: same names and sizes)
+    assert sorted(store.prune(min_age_s=0)) == garbage
+    assert _objects(store) == base_objects
 
 
 # --------------------------------------------------------------------------- mkfs.erofs + overlayfs
@@ -195,15 +212,17 @@ def test_mkfs_erofs_keeps_whiteouts_and_opaque_dirs_for_overlayfs(tmp_path: Path
     os.setxattr(upper / "opaque", "trusted.overlay.opaque", b"y")
     for name in ("gone", "file"):
         os.mknod(upper / name, 0o600 | stat.S_IFCHR, os.makedev(0, 0))  # whiteouts
-    layers = [
-        pack_erofs(d, tmp_path / f"{d.name}.erofs", preserve_mtime=True) for d in (base, upper)
-    ]
+    layers = []
+    for d in (base, upper):  # split, as snapshots pack them
+        blob = tmp_path / f"{d.name}.blob"
+        meta = pack_erofs(d, tmp_path / f"{d.name}.erofs", preserve_mtime=True, blob_file=blob)
+        layers.append((meta, blob))
     points = []
     try:
-        for layer in layers:
-            point = tmp_path / f"m-{layer.stem}"
+        for meta, blob in layers:
+            point = tmp_path / f"m-{meta.stem}"
             point.mkdir()
-            mounts.mount(layer, point, "erofs", mounts.MS_RDONLY)
+            mount_split(meta, blob, point)
             points.append(point)
         packed = points[1]
         st = os.lstat(packed / "gone")
@@ -413,7 +432,8 @@ def box_env(tmp_path: Path, snap_images: Path) -> Iterator[tuple[ContainerBacken
     from sandfleet.guest.build import agent_binary
 
     store = ImageStore(tmp_path / "images")
-    shutil.copytree(snap_images / "layers", store.root / "layers", dirs_exist_ok=True)
+    for objects in ("layers", "metas", "chunks"):
+        shutil.copytree(snap_images / objects, store.root / objects, dirs_exist_ok=True)
     shutil.copytree(
         snap_images / "manifests" / "test" / "snapbase", store.manifests_dir / "test" / "snapbase"
     )
@@ -439,7 +459,10 @@ def _fake_mkfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> 
 
 
 async def _start(backend: ContainerBackend, store: ImageStore, sid: str) -> NodeCreateRequest:
-    layers, _ = stack_for(store, IMAGE)
+    """Start box ``sid`` on IMAGE, its layers' blobs reassembled in a directory of its own."""
+    scratch = store.root.parent / f"blobs-{sid}"
+    scratch.mkdir()
+    layers = [layer_source(store, x.digest, scratch) for x in stack_for(store, IMAGE)[0]]
     spec = SandboxSpec(
         id=sid, kind="container", layers=layers, cpu=1, memory_mb=64, pids_limit=64, disk_mb=64
     )
@@ -451,14 +474,47 @@ async def _start(backend: ContainerBackend, store: ImageStore, sid: str) -> Node
     return NodeCreateRequest(id=sid, image=IMAGE)
 
 
-def _store_state(store: ImageStore) -> tuple[list[str], list[str], list[str]]:
-    return (
-        sorted(p.name for p in store.layers_dir.iterdir()),
-        sorted(
-            str(p.relative_to(store.manifests_dir)) for p in store.manifests_dir.rglob("*.json")
-        ),
-        sorted(p.name for p in store.tmp_dir.iterdir()),
+def _store_state(store: ImageStore) -> dict[str, list[str]]:
+    """What the store holds: each kind of object, the manifests and the scratch space."""
+    state = {x: store_keys(store, f"{x}/") for x in ("layers", "metas", "chunks", "access")}
+    state["manifests"] = sorted(
+        str(p.relative_to(store.manifests_dir)) for p in store.manifests_dir.rglob("*.json")
     )
+    state["tmp"] = sorted(p.name for p in store.tmp_dir.iterdir())
+    return state
+
+
+@pytest.mark.root
+def test_backend_snapshot_packs_a_split_layer_and_names_the_layers_below(
+    box_env: tuple[ContainerBackend, ImageStore], tmp_path: Path
+) -> None:
+    backend, store = box_env
+    meta, blob = tmp_path / "diff.erofs", tmp_path / "diff.blob"
+    script = "yes sandfleet | head -c 300000 > /opt/big; echo v2 >> /opt/edit-me; rm /opt/gone-file"
+
+    async def body() -> list[str] | None:
+        await _start(backend, store, "snapsplit1")
+        r = await AgentClient(backend.handle("snapsplit1").agent_socket).exec(
+            ExecRequest(cmd=["/bin/sh", "-c", script], max_output_bytes=1024)
+        )
+        assert r.ok, r.stderr
+        return await backend.snapshot("snapsplit1", meta, blob, exclude_regexes(None))
+
+    digests = _run(body())
+    assert digests == [x.digest for x in stack_for(store, IMAGE)[0]]  # what it was started on
+    assert meta.stat().st_size < 300_000 <= blob.stat().st_size  # the data went to the blob
+    point = tmp_path / "diff"
+    point.mkdir()
+    mount_split(meta, blob, point)
+    try:
+        assert (point / "opt" / "big").read_bytes() == (b"sandfleet\n" * 30_000)[:300_000]
+        assert (point / "opt" / "edit-me").read_text() == "v1\nv2\n"
+        assert (point / "x").read_text() == "x\n"
+        st = os.lstat(point / "opt" / "gone-file")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(0, 0)  # a whiteout
+        assert not (point / "opt" / "kept").exists()  # only what changed
+    finally:
+        mounts.umount(point, mounts.MNT_DETACH)
 
 
 @pytest.mark.root
@@ -523,9 +579,14 @@ def test_cancelled_snapshot_leaves_nothing_and_thaws(
         assert (await slow).ref == "t/s:1"
 
     _run(body())
-    layers, manifests, tmp = _store_state(store)
-    assert tmp == before[2] and len(layers) == len(before[0]) + 1
-    assert manifests == sorted([*before[1], "t/s/1.json"])
+    after = _store_state(store)
+    assert after["tmp"] == before["tmp"] and after["access"] == before["access"]
+    assert after["manifests"] == sorted([*before["manifests"], "t/s/1.json"])
+    assert set(after["layers"]) >= set(before["layers"])
+    [new] = set(after["layers"]) - set(before["layers"])  # one layer more: the committed one
+    assert new == K.layer_key(store.resolve("t/s:1").layers[-1].digest)
+    assert len(after["metas"]) == len(before["metas"]) + 1
+    assert set(after["chunks"]) >= set(before["chunks"])
 
 
 def _freezer_file(backend: ContainerBackend, sid: str) -> Path:

@@ -7,6 +7,7 @@ from sandfleet import errors
 from sandfleet.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 from sandfleet.wire.errors import (
     AlreadyExists,
+    DataLoss,
     DeadlineExceeded,
     Diverged,
     FailedPrecondition,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "Client",
+    "DataLoss",
     "DeadlineExceeded",
     "Diverged",
     "ExecResult",

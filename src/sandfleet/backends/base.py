@@ -14,7 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Backend", "BoxHandle", "BoxInit", "SandboxSpec"]
+__all__ = ["Backend", "BoxHandle", "BoxInit", "LayerSource", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """One read-only layer to stack: an EROFS image and, if split, its data blob.
+
+    ``meta`` is the EROFS (metadata) image; ``data`` the file holding the
+    layer's file data (``device=`` of the mount; on a node, a file of the
+    on-demand FUSE filesystem), or None for a whole image. ``digest`` names
+    the layer for the node (recorded with the box, e.g. for snapshots); the
+    backend does not interpret it.
+    """
+
+    meta: Path
+    data: Path | None = None
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,14 +57,14 @@ class BoxInit:
 class SandboxSpec:
     """A validated request, resolved to local layer files.
 
-    ``layers`` are EROFS files, bottom first. ``memory_mb`` in MiB, ``cpu`` in
+    ``layers`` are the read-only layers, bottom first. ``memory_mb`` in MiB, ``cpu`` in
     cores, ``disk_mb`` bounds the writable layer (None: unbounded). With
     ``init`` the box runs that instead of the agent, on a read-only root.
     """
 
     id: str
     kind: str
-    layers: list[Path]
+    layers: list[LayerSource]
     cpu: float
     memory_mb: int
     pids_limit: int

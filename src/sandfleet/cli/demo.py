@@ -29,17 +29,12 @@ def ensure_demo_images(images_dir: Path, console: Console) -> None:
     """Build the demo's base and workspace images unless they exist (about 90 s once)."""
     from sandfleet.demo.rollouts import BASE_IMAGE, BASE_PACKAGES, WORKSPACE_IMAGE, WORKSPACE_SOURCE
     from sandfleet.images import ImageStore, build_debootstrap, build_workspace
-    from sandfleet.wire.errors import NotFound
 
     store = ImageStore(images_dir)
-    try:
-        store.resolve(BASE_IMAGE)
-    except NotFound:
+    if not store.has_image(BASE_IMAGE):
         console.print(f"building {BASE_IMAGE} with debootstrap (about a minute, once)")
         build_debootstrap(store, BASE_IMAGE, BASE_PACKAGES)
-    try:
-        store.resolve(WORKSPACE_IMAGE)
-    except NotFound:
+    if not store.has_image(WORKSPACE_IMAGE):
         console.print(f"building {WORKSPACE_IMAGE} from PyPI's sdist of {WORKSPACE_SOURCE}")
         build_workspace(store, WORKSPACE_IMAGE, WORKSPACE_SOURCE)
 
@@ -86,7 +81,8 @@ def rollouts(
 
     console = Console()
     state, images = _dirs(state_dir, images_dir)
-    ensure_demo_images(images, console)
+    if url is None:  # a running deployment has its images (or says it lacks them)
+        ensure_demo_images(images, console)
     deployment = None if url else LocalDeployment(state / "demo", images).start()
     base = url or (deployment.url if deployment else "")
     start = time.perf_counter()

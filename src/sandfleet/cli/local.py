@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -33,9 +34,16 @@ class LocalDeployment:
     """
 
     def __init__(
-        self, state_dir: Path, images_dir: Path | None = None, ready_timeout_s: float = 60.0
+        self,
+        state_dir: Path,
+        images_dir: Path | None = None,
+        ready_timeout_s: float = 60.0,
+        *,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.state_dir = state_dir
+        #: More ``sandfleet up`` options, e.g. ``["--blob-store", url]``.
+        self.extra_args = list(extra_args)
         self.images_dir = images_dir or state_dir / "images"
         self.port = free_port()
         self.node_port = free_port()
@@ -64,6 +72,7 @@ class LocalDeployment:
             str(self.node_port),
             "--node-id",
             self.node_id,
+            *self.extra_args,
         ]
         env = {
             **os.environ,

@@ -37,6 +37,23 @@ _api_token_opt = click.option(
     help="Token SDK callers must send (env SANDFLEET_TOKEN); required unless on loopback.",
 )
 
+_blob_store_opt = click.option(
+    "--blob-store",
+    "blob_stores",
+    multiple=True,
+    envvar="SANDFLEET_BLOB_STORE",
+    help="Blob store (file:///dir or http(s)://...) to pull images and fetch layer data"
+    " from, after the local image store; repeat for several (env SANDFLEET_BLOB_STORE,"
+    " space-separated).",
+)
+_cache_opt = click.option(
+    "--chunk-cache-mib",
+    default=20 * 1024,
+    show_default=True,
+    type=click.IntRange(min=16),
+    help="Bound of the node's cache of layer data fetched from blob stores, MiB.",
+)
+
 
 def _dirs(state_dir: Path | None, images_dir: Path | None) -> tuple[Path, Path]:
     state = (state_dir or default_state_dir()).resolve()
@@ -91,6 +108,8 @@ def cli() -> None:
 )
 @click.option("--keep/--destroy-on-exit", default=False, help="Keep sandboxes when stopping.")
 @_api_token_opt
+@_blob_store_opt
+@_cache_opt
 def up(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -101,6 +120,8 @@ def up(
     node_id: str | None,
     keep: bool,
     api_token: str | None,
+    blob_stores: tuple[str, ...],
+    chunk_cache_mib: int,
 ) -> None:
     """Run a control plane and one node agent together on embedded defaults.
 
@@ -124,11 +145,14 @@ def up(
         images_dir=images,
         node_token=token,
         api_token=_api_token(api_token, host),
+        pulls_images=bool(blob_stores),
     )
     node_args = [
         "node", "--state-dir", str(state), "--images-dir", str(images), "--node-id", node_id,
         "--control-plane", cp_url, "--host", host, "--port", str(node_port),
         "--max-sandboxes", str(max_sandboxes), "--keep" if keep else "--destroy-on-exit",
+        "--chunk-cache-mib", str(chunk_cache_mib),
+        *(a for url in blob_stores for a in ("--blob-store", url)),
     ]  # fmt: skip
     click.echo(f"sandfleet up: control plane {cp_url}, node agent :{node_port}, state {state}")
     env = {"SANDFLEET_NODE_TOKEN": token}
@@ -173,6 +197,7 @@ def up(
 )
 @click.option("--token", default=None, help="Token nodes must present (env SANDFLEET_NODE_TOKEN).")
 @_api_token_opt
+@_blob_store_opt
 def controlplane(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -181,6 +206,7 @@ def controlplane(
     db: str | None,
     token: str | None,
     api_token: str | None,
+    blob_stores: tuple[str, ...],
 ) -> None:
     """Run the control plane alone."""
     from sandfleet.cli.serve import check_ports_free, run_servers
@@ -194,6 +220,7 @@ def controlplane(
         images_dir=images,
         node_token=_cluster_token(state, token),
         api_token=_api_token(api_token, host),
+        pulls_images=bool(blob_stores),  # nodes pull: an image missing here may be there
     )
     run_servers([(app, host, port)])
 
@@ -214,6 +241,8 @@ def controlplane(
     default=True,
     help="Keep sandboxes running when stopping (the next node agent adopts them).",
 )
+@_blob_store_opt
+@_cache_opt
 def node(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -226,6 +255,8 @@ def node(
     max_sandboxes: int,
     memory_mb: int | None,
     keep: bool,
+    blob_stores: tuple[str, ...],
+    chunk_cache_mib: int,
 ) -> None:
     """Run a node agent that registers with a control plane."""
     from sandfleet.cli.serve import build_node_app, check_ports_free, run_servers
@@ -242,6 +273,8 @@ def node(
         max_sandboxes=max_sandboxes,
         memory_mb=memory_mb,
         destroy_on_exit=not keep,
+        blob_stores=list(blob_stores),
+        cache_bytes=chunk_cache_mib << 20,
     )
     run_servers([(app, host, port)])
 

@@ -92,8 +92,13 @@ def build_node_app(
     max_sandboxes: int,
     memory_mb: int | None,
     destroy_on_exit: bool,
+    blob_stores: list[str] | None = None,
+    cache_bytes: int = 20 << 30,
 ) -> FastAPI:
     """A node agent app with the container backend, ready for :func:`run_servers`.
+
+    ``blob_stores``: URLs to pull images and fetch layer data from;
+    ``cache_bytes`` bounds the node's chunk cache.
 
     Raises FailedPrecondition when another node agent holds this node's state dir.
     """
@@ -115,7 +120,15 @@ def build_node_app(
         # Memory limits are ceilings, not use: allow 4x overcommit by default.
         memory_mb=memory_mb or host_mb * 4,
     )
-    service = NodeService(node_id, node_dir, images_dir, backends, capacity)
+    service = NodeService(
+        node_id,
+        node_dir,
+        images_dir,
+        backends,
+        capacity,
+        blob_stores=blob_stores or [],
+        cache_bytes=cache_bytes,
+    )
     registration = NodeRegistration(
         node_id=node_id,
         address=advertise,

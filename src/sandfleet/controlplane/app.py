@@ -181,7 +181,12 @@ def _pid(process_id: str) -> str:
 
 
 def create_app(
-    *, db_url: str, images_dir: Path, node_token: str | None, api_token: str | None = None
+    *,
+    db_url: str,
+    images_dir: Path,
+    node_token: str | None,
+    api_token: str | None = None,
+    pulls_images: bool = False,
 ) -> FastAPI:
     """Build the control plane app.
 
@@ -202,7 +207,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        cp = ControlPlane(SqlStore(db_url), images_dir, node_token)
+        cp = ControlPlane(SqlStore(db_url), images_dir, node_token, pulls_images=pulls_images)
         app.state.cp = cp
         refusals.set_function(lambda: cp.refusals)
         cp.start()
@@ -488,6 +493,11 @@ def create_app(
         async with cp.forward(sandbox_id, "GET", "/log", params=params) as resp:
             body = await resp.aread()
         return Response(body, media_type=NDJSON)
+
+    @api.get("/sandboxes/{sandbox_id}/events")
+    async def events(sandbox_id: str, cp: CP, since: float = 0.0) -> Response:
+        """``{"events": [SandboxEvent]}``: what happened to it outside its commands."""
+        return await _simple(sandbox_id, "GET", "/events", cp, since=since)
 
     # ---------------------------------------------------------------- snapshots
     @api.post("/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=ImageManifest)

@@ -117,9 +117,13 @@ class _InFlight:
 class ControlPlane:
     """Stateless service over a :class:`Store`; ``images_dir`` is the shared image store."""
 
-    def __init__(self, store: Store, images_dir: Path, token: str | None) -> None:
+    def __init__(
+        self, store: Store, images_dir: Path, token: str | None, *, pulls_images: bool = False
+    ) -> None:
         self.store = store
         self.images_dir = images_dir
+        #: Nodes pull images from blob stores: one missing here may still exist.
+        self.pulls_images = pulls_images
         self.nodes = NodeClients(token)
         # fncall calls get a pool of their own, bounded: httpcore scans every
         # pooled connection on each request, which with a connection per call in
@@ -236,8 +240,12 @@ class ControlPlane:
         return ImageStore(self.images_dir).list()
 
     def _check_images(self, req: CreateSandboxRequest) -> None:
+        """Refuse an image the shared store lacks, unless nodes pull from blob stores
+        (then the node that gets the sandbox pulls it, or says it has none)."""
         from sandfleet.images import ImageStore
 
+        if self.pulls_images:
+            return
         images = ImageStore(self.images_dir)
         images.resolve(req.image)
         if req.workspace is not None:
@@ -292,9 +300,9 @@ class ControlPlane:
                 self.refusals += 1
                 last_error = exc
                 log.info("node %s refused a create: %s", decision.node_id, exc)
-        raise ResourceExhausted(
-            f"{len(refused)} node(s) refused the sandbox (last: {last_error}); retry later"
-        )
+        # Capacity somewhere: ResourceExhausted; only unreachable nodes or stores: Unavailable.
+        cls = Unavailable if isinstance(last_error, Unavailable) else ResourceExhausted
+        raise cls(f"{len(refused)} node(s) refused the sandbox (last: {last_error}); retry later")
 
     async def _create_on(self, node_id: str, req: CreateSandboxRequest) -> SandboxInfo:
         node = self.store.get_node(node_id)
@@ -383,7 +391,9 @@ class ControlPlane:
         node_id = node_of(sandbox_id)
         try:
             # A call is activity (idle TTL) and resumes a paused sandbox on its node.
-            with self.activity.call(sandbox_id, resumes=suffix not in ("/snapshot", "/log")):
+            with self.activity.call(
+                sandbox_id, resumes=suffix not in ("/snapshot", "/log", "/events")
+            ):
                 async with self.nodes.stream(
                     self._node_address(node_id),
                     method,

@@ -21,12 +21,9 @@ def ensure_fncall_image(images_dir: Path, log: TextIO | None = None) -> str:
     answers).
     """
     from sandfleet.images import ImageStore, build_debootstrap
-    from sandfleet.wire.errors import NotFound
 
     store = ImageStore(images_dir)
-    try:
-        store.resolve(FNCALL_IMAGE)
-    except NotFound:
+    if not store.has_image(FNCALL_IMAGE):
         if log is not None:
             print(f"building {FNCALL_IMAGE} with debootstrap (about 2 minutes, once)", file=log)
         build_debootstrap(store, FNCALL_IMAGE, FNCALL_PACKAGES)

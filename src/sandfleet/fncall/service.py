@@ -16,12 +16,15 @@ import posixpath
 import secrets
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sandfleet.backends.base import BoxInit, SandboxSpec
+from sandfleet.backends.base import BoxInit, LayerSource, SandboxSpec
 from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.fncall.conn import WorkerConnection
 from sandfleet.fncall.pool import Pool, Worker
+
+if TYPE_CHECKING:
+    from sandfleet.node.images import NodeImages
 from sandfleet.wire.errors import (
     FailedPrecondition,
     Internal,
@@ -79,16 +82,16 @@ class FnCallService:
     def __init__(
         self,
         node_id: str,
-        images_dir: Path,
+        images: NodeImages,
         backend: ContainerBackend,
         defaults: PoolConfig | None = None,
     ) -> None:
         self.node_id = node_id
-        self.images_dir = images_dir
+        self.images = images
         self.backend = backend
         self.defaults = defaults or PoolConfig()
         self.pools: dict[tuple[str, str], Pool] = {}
-        self._layers: dict[str, tuple[list[Path], dict[str, str]]] = {}
+        self._layers: dict[str, tuple[list[LayerSource], dict[str, str]]] = {}
         self._maintainer: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -127,7 +130,8 @@ class FnCallService:
         key = (config.image, config.language)
         pool = self.pools.get(key)
         if pool is None:
-            self._resolve(config.image)
+            if not self.images.remotes:  # else it may be pulled when a worker starts
+                self.images.store.resolve(config.image)
             pool = self.pools[key] = Pool(self.node_id, config, self._start_worker, self._stop)
             pool.grow()
         else:
@@ -142,19 +146,17 @@ class FnCallService:
             pool = self.pools[(image, language)]
         return pool
 
-    def _resolve(self, image: str) -> tuple[list[Path], dict[str, str]]:
+    async def _resolve(self, image: str) -> tuple[list[LayerSource], dict[str, str]]:
         cached = self._layers.get(image)
         if cached is None:
-            from sandfleet.images import ImageStore, stack_for
-
-            layers, config = stack_for(ImageStore(self.images_dir), image, None)
+            layers, config = await self.images.stack(image, None)
             cached = self._layers[image] = (layers, dict(config.env))
         return cached
 
     # ------------------------------------------------------------------ workers
 
     async def _start_worker(self, pool: Pool) -> Worker:
-        layers, env = self._resolve(pool.config.image)
+        layers, env = await self._resolve(pool.config.image)
         conns: list[WorkerConnection] = []
 
         async def ready(sock: Path) -> None:

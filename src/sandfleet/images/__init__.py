@@ -3,7 +3,9 @@
 An image is a manifest naming an ordered stack of layers (bottom first); each
 layer is an uncompressed, reproducible EROFS file stored once under its
 sha256. Builders turn a source (debootstrap, a directory, an sdist, a PyPI
-requirement, a git repository) into one layer and tag it; :func:`stack_for`
+requirement, a git repository) into one layer and tag it; :func:`import_image`
+turns an OCI image layout or a ``docker save`` archive into a stack of layers;
+:func:`stack_for`
 gives the node agent the files to mount and the merged exec config.
 """
 
@@ -14,6 +16,7 @@ from .busybox import build_busybox, busybox_tree
 from .debootstrap import build_debootstrap
 from .erofs import pack_erofs
 from .mirror import ENV_MIRROR, resolve_mirror
+from .oci import import_image
 from .refs import parse_ref
 from .store import ImageStore
 from .workspace import build_workspace, classify_source
@@ -27,6 +30,7 @@ __all__ = [
     "build_workspace",
     "busybox_tree",
     "classify_source",
+    "import_image",
     "pack_erofs",
     "parse_ref",
     "resolve_mirror",

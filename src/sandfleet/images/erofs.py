@@ -17,12 +17,15 @@ from pathlib import Path
 
 from sandfleet.wire.errors import FailedPrecondition, Internal, NotFound, ResourceExhausted
 
-__all__ = ["FIXED_UUID", "MKFS", "pack_erofs"]
+__all__ = ["FILE_CHUNK", "FIXED_UUID", "MKFS", "pack_erofs"]
 
 #: Filesystem UUID of every image sandfleet packs (any fixed value would do).
 FIXED_UUID = "5a9df1ee-7c1a-4e0b-9a53-3f0d2c1b8e41"
 #: Build time recorded when mtimes are preserved: 2100-01-01 UTC, in Unix seconds.
 CLAMP_EPOCH = 4102444800
+#: Bytes per chunk of a file in a split image: files' data is deduplicated at this
+#: granularity inside a layer (smaller: more dedup, bigger chunk indexes).
+FILE_CHUNK = 64 << 10
 #: The mkfs.erofs executable (looked up on PATH).
 MKFS = "mkfs.erofs"
 
@@ -34,8 +37,14 @@ def pack_erofs(
     preserve_mtime: bool = False,
     all_root: bool = False,
     exclude_regex: Sequence[str] = (),
+    blob_file: Path | None = None,
 ) -> Path:
     """Pack ``src_dir`` into the EROFS image ``out_file`` (uncompressed, 4 KiB blocks).
+
+    With ``blob_file`` the image is split: ``out_file`` gets only the
+    metadata (inodes, directories, chunk indexes) and ``blob_file`` every
+    regular file's data, in chunks of :data:`FILE_CHUNK` bytes (identical
+    chunks stored once); mount it with ``device=<blob_file>``.
 
     Owners, modes, xattrs, symlinks, hard links and device nodes of the tree
     are kept. By default every inode gets mtime 0 (``-T0``), so the same
@@ -80,6 +89,10 @@ def pack_erofs(
     if all_root:
         cmd.append("--all-root")
     cmd += [f"--exclude-regex={rx}" for rx in exclude_regex]
+    if blob_file is not None:
+        blob_file = Path(blob_file)
+        blob_file.unlink(missing_ok=True)
+        cmd += [f"--chunksize={FILE_CHUNK}", f"--blobdev={blob_file}"]
     cmd += [str(tmp), str(src_dir)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -87,6 +100,10 @@ def pack_erofs(
             raise _mkfs_error(proc, src_dir)
         tmp.chmod(0o644)
         os.replace(tmp, out_file)
+    except BaseException:
+        if blob_file is not None:
+            blob_file.unlink(missing_ok=True)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return out_file

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -64,7 +63,6 @@ __all__ = [
 #: At most this many exclude patterns per snapshot.
 MAX_EXCLUDE_PATTERNS = 256
 _MAX_PATTERN_LEN = 1024
-_LAYER_FILE_RE = re.compile(r"([0-9a-f]{64})\.erofs")
 _ERE_SPECIAL = frozenset(".[]()*+?{}|^$\\")
 _PATTERN_RULE = (
     "an exclude pattern is an absolute path in the sandbox ('/var/cache/apt/*') or one"
@@ -78,10 +76,10 @@ class Snapshotter(Protocol):
     """A backend that can pack a running box's writable layer (the container backend)."""
 
     async def snapshot(
-        self, sandbox_id: str, out_file: Path, exclude_regex: Sequence[str] = ()
-    ) -> list[Path] | None:
-        """Pack the box's writable layer into the EROFS file ``out_file`` and return
-        the layer files the box was started from, bottom first (None: not recorded)."""
+        self, sandbox_id: str, meta_file: Path, blob_file: Path, exclude_regex: Sequence[str] = ()
+    ) -> list[str] | None:
+        """Pack the box's writable layer into a split EROFS layer and return the
+        digests of the layers the box was started from, bottom first (None: not recorded)."""
         ...
 
 
@@ -199,7 +197,7 @@ def _target_ref(store: ImageStore, sandbox_id: str, image: str | None) -> str:
 
 
 def _stack_below(
-    store: ImageStore, files: list[Path] | None, request: NodeCreateRequest
+    store: ImageStore, digests: list[str] | None, request: NodeCreateRequest
 ) -> list[LayerDescriptor]:
     """Descriptors of the layers the sandbox was started from, bottom first."""
     known: dict[str, LayerDescriptor] = {}
@@ -207,27 +205,24 @@ def _stack_below(
     for ref in refs:
         with contextlib.suppress(NotFound):
             known.update({layer.digest: layer for layer in store.resolve(ref).layers})
-    if files is None:  # a box from before layer files were recorded: its refs decide
+    if digests is None:  # a box from before layers were recorded: its refs decide
         from .build import stack_for
 
-        files = stack_for(store, request.image, request.workspace)[0]
+        digests = [x.digest for x in stack_for(store, request.image, request.workspace)[0]]
     below = []
-    for f in files:
-        m = _LAYER_FILE_RE.fullmatch(Path(f).name)
-        digest = f"sha256:{m.group(1)}" if m else ""
-        if not m or not store.layer_path(digest).is_file():
+    for digest in digests:
+        try:
+            record = store.layer_record(digest)
+        except (NotFound, InvalidArgument):
             raise FailedPrecondition(
-                f"layer {f} of sandbox {request.id} is not in the image store {store.root}"
-                " (removed by a prune?): a snapshot needs every layer below it"
-            )
+                f"layer {digest} of sandbox {request.id} is not in the image store {store.root}"
+                " (removed by a gc?): a snapshot needs every layer below it"
+            ) from None
         if digest not in known:  # the tag moved since: find the layer's kind elsewhere
             for manifest in store.list():
                 known.update({layer.digest: layer for layer in manifest.layers})
         below.append(
-            known.get(digest)
-            or LayerDescriptor(
-                digest=digest, size=store.layer_path(digest).stat().st_size, kind="base"
-            )
+            known.get(digest) or LayerDescriptor(digest=digest, size=record.size, kind="base")
         )
     return below
 
@@ -235,32 +230,23 @@ def _stack_below(
 def _commit(
     store: ImageStore,
     ref: str,
-    erofs_file: Path,
+    meta_file: Path,
+    blob_file: Path,
     below: list[LayerDescriptor],
     config: ImageConfig,
     source: str,
 ) -> ImageManifest:
     """Add the diff layer and store the image exclusively under ``ref``.
 
-    If the tag was taken meanwhile, a layer this call added is removed again
-    unless some image uses it (the same content may be stored twice).
+    If the tag was taken meanwhile, the objects stay until a gc: the same
+    content may be shared by another image.
     """
-    inode = erofs_file.stat().st_ino
-    layer = store.add_layer(erofs_file, "diff")
-    path = store.layer_path(layer.digest)
-    added = False
-    with contextlib.suppress(OSError):
-        added = path.stat().st_ino == inode  # renamed into place: ours, not a copy already there
+    layer = store.add_layer(meta_file, blob_file, "diff", chunk_size=store.chunk_size)
     name, tag = parse_ref(ref)
     manifest = ImageManifest(
         name=name, tag=tag, kind="diff", layers=[*below, layer], config=config, source=source
     )
-    try:
-        store.put(manifest, exclusive=True)
-    except BaseException:
-        if added and not any(layer.digest in {x.digest for x in m.layers} for m in store.list()):
-            path.unlink(missing_ok=True)
-        raise
+    store.put(manifest, exclusive=True)
     return manifest
 
 
@@ -286,8 +272,10 @@ async def snapshot_sandbox(
     :class:`FailedPrecondition` (the backend of this kind cannot snapshot; the
     sandbox is busy or has no writable layer), :class:`NotFound` (the sandbox
     is gone), :class:`ResourceExhausted` (the store's disk is full).
-    Nothing is left behind on failure: no layer file or scratch space in the
-    store, and the sandbox runs again (or stays paused, if it was).
+    Nothing is left behind on failure: no scratch space in the store (a layer
+    stored just before its tag was taken by another snapshot stays until a
+    gc: content-addressed, it may be shared), and the sandbox runs again (or
+    stays paused, if it was).
     """
     regexes = exclude_regexes(req.exclude)
     ref = _target_ref(store, request.id, req.image)
@@ -299,11 +287,11 @@ async def snapshot_sandbox(
     source += f" + {request.workspace})" if request.workspace else ")"
     image_config = ImageConfig(env={**config.env, **request.env}, workdir=config.workdir)
     with store.scratch("snapshot-") as scratch:
-        out = scratch / "diff.erofs"
-        files = await backend.snapshot(request.id, out, regexes)
-        below = _stack_below(store, files, request)
+        meta, blob = scratch / "diff.erofs", scratch / "diff.blob"
+        digests = await backend.snapshot(request.id, meta, blob, regexes)
+        below = _stack_below(store, digests, request)
         fut = asyncio.get_running_loop().run_in_executor(
-            None, _commit, store, ref, out, below, image_config, source
+            None, _commit, store, ref, meta, blob, below, image_config, source
         )
         try:
             return await asyncio.shield(fut)

@@ -1,9 +1,14 @@
-"""The local image store: content-addressed EROFS layers and named manifests.
+"""The local image store: split EROFS layers, their chunks, and named manifests.
 
-Layout under ``root``::
+The store's directory has the blob store layout of
+:mod:`sandfleet.blobstore.keys` (it *is* a ``file://`` blob store), so pushing
+and pulling images are copies between stores::
 
-    layers/sha256/<hex>.erofs       one file per distinct layer content
     manifests/<name>/<tag>.json     an ImageManifest (name may contain '/')
+    layers/sha256/<hex>.json        a LayerRecord: the layer's digest is its sha256
+    metas/sha256/<hex>              a layer's EROFS metadata image
+    chunks/sha256/<hex>             data chunks of layers built (or pulled with data) here
+    access/sha256/<hex>.json        chunks read while the layer started (prefetch hints)
     tmp/                            scratch space for writes and builds
 
 Every write goes to ``tmp/`` first and is renamed into place, so readers never
@@ -15,39 +20,53 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import hashlib
 import os
-import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from sandfleet.blobstore import DEFAULT_CHUNK_SIZE, FileBlobStore, LayerRecord, ObjectRef
+from sandfleet.blobstore import keys as K
 from sandfleet.node import mounts
 from sandfleet.wire.errors import AlreadyExists, Internal, InvalidArgument, NotFound
 from sandfleet.wire.models import ImageManifest, LayerDescriptor, LayerKind
 
-from .refs import format_ref, parse_ref, validate_name, validate_tag
+from .refs import format_ref, parse_ref
 
 __all__ = ["ImageStore"]
 
-_DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
 _LAYER_KINDS = ("base", "toolkit", "workspace", "diff")
-_CHUNK = 1 << 20
+
+
+#: Environment variable: bytes per data chunk of the layers this store packs.
+ENV_CHUNK_SIZE = "SANDFLEET_CHUNK_SIZE"
 
 
 class ImageStore:
-    """Images on local disk under ``root`` (created on first use)."""
+    """Images on local disk under ``root`` (created on first use).
 
-    def __init__(self, root: Path) -> None:
+    ``chunk_size``: bytes per data chunk of layers built into it (default:
+    ``SANDFLEET_CHUNK_SIZE``, else :data:`DEFAULT_CHUNK_SIZE`, 1 MiB).
+    """
+
+    def __init__(self, root: Path, chunk_size: int | None = None) -> None:
         self.root = Path(root)
-        self.layers_dir = self.root / "layers" / "sha256"
+        if chunk_size is None:
+            raw = os.environ.get(ENV_CHUNK_SIZE) or str(DEFAULT_CHUNK_SIZE)
+            chunk_size = int(raw) if raw.isdigit() else -1
+        if chunk_size <= 0 or chunk_size % 4096:
+            raise InvalidArgument(
+                f"invalid chunk size {chunk_size} (argument or {ENV_CHUNK_SIZE}): a positive"
+                " multiple of 4096 bytes, e.g. 1048576"
+            )
+        self.chunk_size = chunk_size
+        self.blobs = FileBlobStore(self.root)
         self.manifests_dir = self.root / "manifests"
         self.tmp_dir = self.root / "tmp"
-        for d in (self.layers_dir, self.manifests_dir, self.tmp_dir):
+        for d in (self.manifests_dir, self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -55,56 +74,105 @@ class ImageStore:
 
     # ------------------------------------------------------------------ layers
 
-    def layer_path(self, digest: str) -> Path:
-        """Path of the layer file for ``digest`` (``'sha256:<64 hex>'``); it may not exist.
+    def add_layer(
+        self,
+        meta_file: Path,
+        blob_file: Path,
+        kind: LayerKind,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> LayerDescriptor:
+        """Store a split layer (see :func:`pack_erofs` with ``blob_file``) and describe it.
 
-        Raises :class:`InvalidArgument` for a malformed digest.
-        """
-        m = _DIGEST_RE.fullmatch(digest)
-        if not m:
-            raise InvalidArgument(f"invalid layer digest {digest!r}: expected 'sha256:<64 hex>'")
-        return self.layers_dir / f"{m.group(1)}.erofs"
+        The data blob is cut into ``chunk_size``-byte chunks (a multiple of
+        4096), each stored once under its sha256 (chunks already present,
+        from any layer, are not written again); the metadata image and the
+        :class:`LayerRecord` are stored under theirs. Both files are consumed
+        (deleted). The descriptor's ``digest`` is the record's and ``size``
+        is metadata plus data, in bytes.
 
-    def add_layer(self, erofs_file: Path, kind: LayerKind) -> LayerDescriptor:
-        """Move ``erofs_file`` into the store and describe it.
-
-        The file is consumed: it is renamed (or copied, across filesystems)
-        into ``layers/sha256/<hex>.erofs``; if a layer with the same content
-        is stored already, the file is deleted and the stored one is kept.
-        ``size`` in the answer is in bytes.
-
-        Raises :class:`NotFound` if ``erofs_file`` does not exist and
-        :class:`InvalidArgument` for an unknown ``kind``.
+        Raises :class:`NotFound` if a file does not exist and
+        :class:`InvalidArgument` for an unknown ``kind`` or a bad ``chunk_size``.
         """
         if kind not in _LAYER_KINDS:
             raise InvalidArgument(f"invalid layer kind {kind!r}: one of {', '.join(_LAYER_KINDS)}")
-        src = Path(erofs_file)
-        if not src.is_file():
-            raise NotFound(f"layer file {src} does not exist")
-        fd, tmp_name = tempfile.mkstemp(prefix="layer-", suffix=".tmp", dir=self.tmp_dir)
-        os.close(fd)
-        tmp = Path(tmp_name)
+        if chunk_size <= 0 or chunk_size % 4096:
+            raise InvalidArgument(
+                f"invalid chunk size {chunk_size}: a positive multiple of 4096 bytes (e.g. 1048576)"
+            )
+        for f in (meta_file, blob_file):
+            if not Path(f).is_file():
+                raise NotFound(f"layer file {f} does not exist")
         try:
-            try:
-                os.replace(src, tmp)
-            except OSError:  # another filesystem: copy, then drop the original
-                shutil.copyfile(src, tmp)
-                src.unlink()
-            digest, size = _sha256(tmp)
-            target = self.layer_path(digest)
-            if target.exists():
-                os.utime(target)  # fresh mtime: keeps a concurrent prune() away from it
-            else:
-                tmp.chmod(0o644)
-                os.replace(tmp, target)
+            chunks = []
+            blob_size = 0
+            with open(blob_file, "rb") as fh:
+                while data := fh.read(chunk_size):
+                    digest = K.sha256_digest(data)
+                    key = K.chunk_key(digest)
+                    if self.blobs.exists(key):
+                        os.utime(self.blobs.path(key))  # fresh mtime keeps a concurrent gc away
+                    else:
+                        self.blobs.put(key, data)
+                    chunks.append(digest)
+                    blob_size += len(data)
+            meta = Path(meta_file).read_bytes()
+            meta_ref = ObjectRef(digest=K.sha256_digest(meta), size=len(meta))
+            self._put_once(K.meta_key(meta_ref.digest), meta)
+            record = LayerRecord(
+                meta=meta_ref, blob_size=blob_size, chunk_size=chunk_size, chunks=chunks
+            )
+            digest = record.digest()
+            self._put_once(K.layer_key(digest), record.to_bytes())
         finally:
-            tmp.unlink(missing_ok=True)
-        return LayerDescriptor(digest=digest, size=size, kind=kind)
+            Path(meta_file).unlink(missing_ok=True)
+            Path(blob_file).unlink(missing_ok=True)
+        return LayerDescriptor(digest=digest, size=record.size, kind=kind)
+
+    def _put_once(self, key: str, data: bytes) -> None:
+        if self.blobs.exists(key):
+            os.utime(self.blobs.path(key))
+        else:
+            self.blobs.put(key, data)
+
+    def layer_record(self, digest: str) -> LayerRecord:
+        """The record of layer ``digest``, checked against it.
+
+        Raises :class:`InvalidArgument` for a malformed digest, :class:`NotFound`
+        if the layer is not in this store and :class:`DataLoss` if its record is corrupt.
+        """
+        try:
+            data = self.blobs.get(K.layer_key(digest))
+        except NotFound:
+            raise NotFound(f"layer {digest} is not in the image store {self.root}") from None
+        try:
+            return LayerRecord.from_bytes(data, digest)
+        except ValidationError as e:
+            raise Internal(f"corrupt layer record {digest} in {self.root}: {e}") from None
+
+    def meta_path(self, record: LayerRecord) -> Path:
+        """The local file of the layer's EROFS metadata image (it may be missing)."""
+        return self.blobs.path(K.meta_key(record.meta.digest))
+
+    def has_image(self, ref: str, *, data: bool = True) -> bool:
+        """Whether ``ref`` is here with every layer's record and metadata (and, with
+        ``data``, every chunk): False for an image pulled without data, or stored
+        by a sandfleet from before split layers (rebuild it)."""
+        try:
+            manifest = self.resolve(ref)
+            records = [self.layer_record(x.digest) for x in manifest.layers]
+        except (NotFound, Internal, InvalidArgument):
+            return False
+        return all(self.meta_path(r).is_file() and (not data or self.has_data(r)) for r in records)
+
+    def has_data(self, record: LayerRecord) -> bool:
+        """Whether every chunk of the layer's data blob is in this store."""
+        return all(self.blobs.exists(K.chunk_key(c)) for c in set(record.chunks))
 
     # ------------------------------------------------------------------ manifests
 
     def _manifest_path(self, name: str, tag: str) -> Path:
-        return self.manifests_dir / validate_name(name) / f"{validate_tag(tag)}.json"
+        return self.blobs.path(K.manifest_key(name, tag))
 
     def put(self, manifest: ImageManifest, *, exclusive: bool = False) -> None:
         """Store ``manifest`` under its ``name:tag``, replacing any previous one atomically.
@@ -118,7 +186,7 @@ class ImageStore:
         """
         path = self._manifest_path(manifest.name, manifest.tag)
         for layer in manifest.layers:
-            if not self.layer_path(layer.digest).is_file():
+            if not self.blobs.exists(K.layer_key(layer.digest)):
                 raise NotFound(
                     f"cannot store {manifest.ref}: layer {layer.digest} is not in {self.root}; "
                     "add it with ImageStore.add_layer first"
@@ -183,23 +251,15 @@ class ImageStore:
         return manifest
 
     def prune(self, min_age_s: float = 3600.0) -> builtins.list[str]:
-        """Delete layers no manifest references and that are older than ``min_age_s`` seconds.
+        """Delete layers, metadata, chunks and access lists no manifest references and
+        that are older than ``min_age_s`` seconds; returns the keys deleted.
 
-        The age guard protects a layer another process has just added but not
-        yet referenced from a manifest. Returns the digests removed.
+        The age guard protects objects another process has just added but not
+        yet referenced from a manifest (a build or pull in progress).
         """
-        used = {layer.digest for m in self.list() for layer in m.layers}
-        removed = []
-        now = time.time()
-        for path in self.layers_dir.glob("*.erofs"):
-            digest = f"sha256:{path.stem}"
-            if digest in used:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                if now - path.stat().st_mtime >= min_age_s:
-                    path.unlink()
-                    removed.append(digest)
-        return removed
+        from sandfleet.blobstore.transfer import gc
+
+        return gc(self.blobs, min_age_s=min_age_s).deleted
 
     # ------------------------------------------------------------------ scratch
 
@@ -235,13 +295,3 @@ def _load(path: Path, text: str) -> ImageManifest:
         return ImageManifest.model_validate_json(text)
     except ValidationError as exc:
         raise Internal(f"corrupt manifest {path}: {exc}") from None
-
-
-def _sha256(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return f"sha256:{h.hexdigest()}", size

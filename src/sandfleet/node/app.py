@@ -35,6 +35,7 @@ from sandfleet.wire.models import (
     RunBatchRequest,
     RunRequest,
     RunResult,
+    SandboxEvent,
     SnapshotRequest,
     SpawnRequest,
 )
@@ -322,10 +323,20 @@ def create_node_app(
         """The trajectory log: NDJSON LogEntry lines in step order (node/trajectory.py)."""
         return Response(await logged.export(sandbox_id, start, tail), media_type=NDJSON)
 
+    @api.get("/{sandbox_id}/events")
+    async def events(sandbox_id: str, since: float = 0.0) -> dict[str, list[SandboxEvent]]:
+        """Events of the box since ``since`` (Unix s): layer data that could not be fetched."""
+        return {"events": await svc.events(sandbox_id, since)}
+
     @api.post("/{sandbox_id}/snapshot", status_code=201)
     async def snapshot(sandbox_id: str, req: SnapshotRequest) -> ImageManifest:
         """Pack the box's writable layer into a new ``diff`` image (images/snapshot.py)."""
         return await svc.snapshot(sandbox_id, req)
+
+    @app.get("/v1/layers/stats", dependencies=[Depends(token_checker(token))])
+    async def layer_stats() -> dict[str, Any]:
+        """The on-demand daemon's counters: chunks and bytes fetched per source, cache use."""
+        return await svc.images.stats()
 
     app.include_router(api)
     app.include_router(lifecycle_router(svc.lifetimes, token))

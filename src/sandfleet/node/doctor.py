@@ -8,6 +8,7 @@ EROFS image file-backed, opens /dev/kvm and creates a VM, runs each tool's
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import fcntl
 import os
 import platform
@@ -161,6 +162,14 @@ def run_checks() -> list[Check]:
     ):
         ok, detail = _version(cmd)
         checks.append(Check(name, ok, detail))
+    libfuse = ctypes.util.find_library("fuse3")
+    checks.append(
+        Check(
+            "libfuse3 (on-demand layers)",
+            libfuse is not None,
+            libfuse or "missing: apt-get install fuse3",
+        )
+    )
     compiler = shutil.which("musl-gcc") or shutil.which("cc")
     checks.append(Check("C compiler (agent build)", compiler is not None, compiler or "missing"))
     return checks
@@ -169,7 +178,15 @@ def run_checks() -> list[Check]:
 def kinds_offered(checks: list[Check]) -> dict[str, str]:
     """What each sandbox kind means on this host, from :func:`run_checks`' answers."""
     ok = {c.name: c.ok for c in checks}
-    container_needs = ["root", "cgroups", "overlayfs", "EROFS file-backed mount", "runc"]
+    container_needs = [
+        "root",
+        "cgroups",
+        "overlayfs",
+        "EROFS file-backed mount",
+        "runc",
+        "FUSE",
+        "libfuse3 (on-demand layers)",
+    ]
     missing = [n for n in container_needs if not ok.get(n)]
     vm_note = (
         "not built in this release"

@@ -10,6 +10,7 @@ those, or a mount, holds it).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -98,4 +99,21 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     found += [f"loop device {dev}" for dev in loop_devices_under(state_dir) if mine(str(dev))]
     if only is None:
         found += [f"process {pid} in a sandbox's cgroup" for pid in _box_pids(node_ids)]
+        found += [f"on-demand daemon {pid}" for pid in _daemon_pids(state_dir)]
     return found
+
+
+def _daemon_pids(state_dir: Path) -> list[int]:
+    """On-demand FUSE daemons (sandfleet.ondemand) serving a node under ``state_dir``."""
+    prefix = os.fsencode(os.path.realpath(state_dir)) + b"/"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"sandfleet.ondemand" in argv and any(a.startswith(prefix) for a in argv):
+            pids.append(int(entry.name))
+    return pids

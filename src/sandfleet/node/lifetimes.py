@@ -70,7 +70,9 @@ SUFFIX = ".lifetime"
 _PATH_RE = re.compile(r"^/v1/sandboxes/([^/]+)(/.*)?$")
 #: Calls that do not resume a paused box (suffixes after /v1/sandboxes/<id>): a
 #: snapshot packs a paused box as it is, and its log is read from the node's disk.
-_LIFECYCLE_SUFFIXES = frozenset({"", "/pause", "/resume", "/lifetime", "/snapshot", "/log"})
+_LIFECYCLE_SUFFIXES = frozenset(
+    {"", "/pause", "/resume", "/lifetime", "/snapshot", "/log", "/events"}
+)
 
 
 @runtime_checkable

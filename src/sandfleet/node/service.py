@@ -14,15 +14,16 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sandfleet.backends.base import Backend, BoxHandle, SandboxSpec
+from sandfleet.backends.base import Backend, BoxHandle, LayerSource, SandboxSpec
 from sandfleet.backends.container.backend import ContainerBackend
 from sandfleet.fncall.service import FnCallService
 from sandfleet.guest.client import AgentClient, OutputCallback
+from sandfleet.node.images import DEFAULT_CACHE_BYTES, NodeImages
 from sandfleet.node.lifetimes import NodeLifetimes, Pausable
 from sandfleet.node.trajectory import Trajectories
 from sandfleet.wire.errors import (
@@ -47,6 +48,7 @@ from sandfleet.wire.models import (
     NodeHeartbeat,
     OutputChunk,
     ProcessInfo,
+    SandboxEvent,
     SnapshotRequest,
     SpawnRequest,
 )
@@ -70,6 +72,11 @@ class _Box:
     config: ImageConfig
     handle: BoxHandle
     agent: AgentClient
+    #: Layers it was started from (empty for an adopted box); their access
+    #: lists are recorded when its first exec ends.
+    layers: list[LayerSource] = field(default_factory=list)
+    #: Digests of its layers, bottom first.
+    digests: list[str] = field(default_factory=list)
 
 
 class NodeService:
@@ -86,9 +93,16 @@ class NodeService:
         images_dir: Path,
         backends: dict[str, Backend],
         capacity: NodeCapacity,
+        *,
+        blob_stores: Sequence[str] = (),
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.node_id = node_id
         self.images_dir = images_dir
+        #: Layers: local metadata, data on demand from ``blob_stores`` (node/images.py).
+        self.images = NodeImages(
+            images_dir, state_dir, remotes=blob_stores, cache_bytes=cache_bytes
+        )
         self.backends = backends
         self.capacity = capacity
         self._meta_dir = state_dir / "boxes"
@@ -105,7 +119,7 @@ class NodeService:
         if isinstance(container, ContainerBackend):
             # Workers are boxes of the container backend, so recover() sweeps those
             # a previous node agent left (they have no metadata to be adopted by).
-            self.fncall = FnCallService(node_id, images_dir, container)
+            self.fncall = FnCallService(node_id, self.images, container)
 
     # ------------------------------------------------------------------ load
 
@@ -143,9 +157,7 @@ class NodeService:
             self._pending[req.id] = req
         born = time.time()
         try:
-            from sandfleet.images import ImageStore, stack_for
-
-            layers, config = stack_for(ImageStore(self.images_dir), req.image, req.workspace)
+            layers, config = await self.images.stack(req.image, req.workspace)
             spec = SandboxSpec(
                 id=req.id,
                 kind=req.kind,
@@ -160,7 +172,14 @@ class NodeService:
             handle = await backend.create(spec)
             self.lifetimes.add(req, born)
             self._write_meta(req, config)
-            self._boxes[req.id] = _Box(req, config, handle, AgentClient(handle.agent_socket))
+            self._boxes[req.id] = _Box(
+                req,
+                config,
+                handle,
+                AgentClient(handle.agent_socket),
+                layers=layers,
+                digests=[x.digest for x in layers],
+            )
         finally:
             self._pending.pop(req.id, None)
 
@@ -176,6 +195,7 @@ class NodeService:
 
     async def recover(self) -> None:
         """Adopt boxes that survived a restart; destroy those without metadata."""
+        await self.images.start()  # their layers read from the on-demand daemon
         for kind, backend in self.backends.items():
             for handle in await backend.recover():
                 meta = self._meta_dir / f"{handle.id}.json"
@@ -218,6 +238,7 @@ class NodeService:
             )
         for backend in self.backends.values():
             await backend.close()
+        await self.images.close(stop_daemon=not self._boxes)
 
     def _write_meta(self, req: NodeCreateRequest, config: ImageConfig) -> None:
         tmp = self._meta_dir / f".{req.id}.tmp"
@@ -245,13 +266,26 @@ class NodeService:
 
         See :func:`sandfleet.images.snapshot.snapshot_sandbox` (errors included).
         """
-        from sandfleet.images import ImageStore
         from sandfleet.images.snapshot import snapshot_sandbox
 
         box = self._box(sandbox_id)
         backend = self.backends[box.request.kind]
-        store = ImageStore(self.images_dir)
-        return await snapshot_sandbox(store, backend, box.request, box.config, req)
+        return await snapshot_sandbox(self.images.store, backend, box.request, box.config, req)
+
+    async def events(self, sandbox_id: str, since: float) -> list[SandboxEvent]:
+        """Errors fetching the data of the box's layers since ``since`` (Unix s), oldest first."""
+        box = self._box(sandbox_id)
+        if not box.digests:  # adopted: its stack as its image names it now
+            with contextlib.suppress(SandfleetError):
+                stack, _ = await self.images.stack(box.request.image, box.request.workspace)
+                box.digests = [x.digest for x in stack]
+        found = await self.images.events(box.digests, since)
+        return [
+            SandboxEvent(
+                at=e["time"], kind="layer_fetch_error", message=e["message"], layer=e["layer"]
+            )
+            for e in found
+        ]
 
     # ------------------------------------------------------------------ inside the box
 
@@ -295,6 +329,9 @@ class NodeService:
         result = await box.agent.exec(
             req, on_stdout=on_stdout, on_stderr=on_stderr, keep_output=keep_output
         )
+        if box.layers:  # the first exec ended: what its layers read so far was start-up
+            layers, box.layers = box.layers, []
+            await self.images.record_access(layers)
         failed = result.status == "signaled" or (
             result.status == "exited" and result.exit_code != 0
         )

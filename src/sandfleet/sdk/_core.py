@@ -49,6 +49,7 @@ from sandfleet.wire.models import (
     ProcessInfo,
     RunRequest,
     RunResult,
+    SandboxEvent,
     SandboxInfo,
     SpawnRequest,
     StageResult,
@@ -794,6 +795,20 @@ def mkdir_request(sandbox_id: str, path: str, parents: bool) -> Request[FileEntr
         _sandbox_path(sandbox_id, "/files/mkdir"),
         _model(FileEntry),
         params=(("path", _remote_path(path)), ("parents", _bool(parents))),
+    )
+
+
+class _SandboxEvents(_Answer):
+    events: list[SandboxEvent]
+
+
+def _events(content: bytes) -> list[SandboxEvent]:
+    return _SandboxEvents.model_validate_json(content).events
+
+
+def events_request(sandbox_id: str, since: float = 0.0) -> Request[list[SandboxEvent]]:
+    return Request(
+        "GET", _sandbox_path(sandbox_id, "/events"), _events, params=(("since", str(since)),)
     )
 
 

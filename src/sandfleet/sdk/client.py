@@ -53,6 +53,7 @@ from sandfleet.wire.models import (
     PoolInfo,
     ProcessInfo,
     RunResult,
+    SandboxEvent,
     SandboxInfo,
 )
 
@@ -504,6 +505,12 @@ class AsyncSandbox:
         ``result``, and ``at`` (Unix seconds). Raises ``NotFound``, ``Unavailable``.
         """
         return await self._client._send(_steps.log_request(self._sandbox_id(), start))
+
+    async def events(self, since: float = 0.0) -> builtins.list[SandboxEvent]:
+        """What happened to the sandbox outside its commands since ``since`` (Unix s),
+        oldest first: e.g. ``layer_fetch_error`` when its image's data could not be
+        fetched from the blob stores. Raises ``NotFound``, ``Unavailable``."""
+        return await self._client._send(_core.events_request(self._sandbox_id(), since))
 
     async def _call(
         self,

@@ -46,6 +46,7 @@ from sandfleet.wire.models import (
     PoolInfo,
     ProcessInfo,
     RunResult,
+    SandboxEvent,
     SandboxInfo,
 )
 
@@ -385,6 +386,9 @@ class Sandbox:
 
     def log(self, start: int = 0) -> builtins.list[LogEntry]:
         return self._client._send(_steps.log_request(self._sandbox_id(), start))
+
+    def events(self, since: float = 0.0) -> builtins.list[SandboxEvent]:
+        return self._client._send(_core.events_request(self._sandbox_id(), since))
 
     def _call(
         self,

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AlreadyExists",
+    "DataLoss",
     "DeadlineExceeded",
     "Diverged",
     "FailedPrecondition",
@@ -129,6 +130,13 @@ class Diverged(SandfleetError):
     http_status = 409
 
 
+class DataLoss(SandfleetError):
+    """Stored data is corrupt: an object's content does not match its digest."""
+
+    code = "DATA_LOSS"
+    http_status = 500
+
+
 _BY_CODE: dict[str, type[SandfleetError]] = {
     cls.code: cls
     for cls in (
@@ -143,6 +151,7 @@ _BY_CODE: dict[str, type[SandfleetError]] = {
         PermissionDenied,
         Unauthenticated,
         Diverged,
+        DataLoss,
     )
 }
 
@@ -154,7 +163,7 @@ def error_from_wire(body: Any, http_status: int) -> SandfleetError:
         cls = _BY_CODE.get(str(err.get("code")), Internal)
         return cls(str(err.get("message", "")))
     # No code: a proxy, or the wrong server (a bad URL or API version). Map by status.
-    by_status = {c.http_status: c for c in _BY_CODE.values() if c is not Internal}
+    by_status = {c.http_status: c for c in _BY_CODE.values() if c not in (Internal, DataLoss)}
     cls = by_status.get(http_status, Internal)
     detail = body.get("detail", body) if isinstance(body, dict) else body
     hint = "is the URL a sandfleet server?"

@@ -230,6 +230,20 @@ STEP_HEADER = "sandfleet-step"
 REPLAYED_HEADER = "sandfleet-replayed"
 
 
+class SandboxEvent(WireResponse):
+    """Something that happened to a sandbox outside its commands.
+
+    ``kind``: ``layer_fetch_error`` (data of one of its image layers could
+    not be fetched from the blob stores: reads of those files fail with EIO
+    until a store answers). ``at`` in Unix seconds.
+    """
+
+    at: float
+    kind: str
+    message: str
+    layer: str | None = None
+
+
 class LogEntry(WireResponse):
     """One call in a sandbox's trajectory log.
 

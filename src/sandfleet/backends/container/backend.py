@@ -320,8 +320,8 @@ class ContainerBackend:
             name, point = self.layers.acquire(layer)
             box.layers.append(name)
             lowers.append(str(point))
-        # "files": the layer files stacked, bottom first (what a snapshot stacks on).
-        record = {"id": spec.id, "layers": box.layers, "files": [str(p) for p in spec.layers]}
+        # "digests": the layers stacked, bottom first (what a snapshot stacks on).
+        record = {"id": spec.id, "layers": box.layers, "digests": [x.digest for x in spec.layers]}
         (bundle / "sandbox.json").write_text(json.dumps(record))
         if spec.init is not None:
             # On a read-only root the mount points must exist below: a top layer
@@ -575,13 +575,14 @@ class ContainerBackend:
     # ------------------------------------------------------------------ snapshot
 
     async def snapshot(
-        self, sandbox_id: str, out_file: Path, exclude_regex: Sequence[str] = ()
-    ) -> list[Path] | None:
-        """Pack the box's writable layer into the EROFS file ``out_file``, frozen meanwhile.
+        self, sandbox_id: str, meta_file: Path, blob_file: Path, exclude_regex: Sequence[str] = ()
+    ) -> list[str] | None:
+        """Pack the box's writable layer into a split EROFS layer, frozen meanwhile.
 
-        ``exclude_regex`` as for :func:`~sandfleet.images.erofs.pack_erofs`.
-        Returns the layer files the box was started from, bottom first (None
-        for a box created before they were recorded). A destroy meanwhile waits
+        ``meta_file``, ``blob_file`` and ``exclude_regex`` as for
+        :func:`~sandfleet.images.erofs.pack_erofs`. Returns the digests of the
+        layers the box was started from, bottom first (None for a box created
+        before they were recorded). A destroy meanwhile waits
         for the end. Raises ``NotFound``, ``FailedPrecondition`` (being created
         or destroyed, or in another snapshot; no writable layer) and what
         :func:`sandfleet.backends.container.snapshot.pack_upper` raises.
@@ -596,15 +597,17 @@ class ContainerBackend:
         if box is None:
             raise NotFound(f"sandbox {sandbox_id} does not exist on this node")
         try:
-            files = json.loads((box.bundle / "sandbox.json").read_text()).get("files")
+            digests = json.loads((box.bundle / "sandbox.json").read_text()).get("digests")
         except (OSError, ValueError, AttributeError):
-            files = None
+            digests = None
         self._busy.add(sandbox_id)  # destroy waits; create, pause and recover keep off
         try:
-            await pack_upper(self.freezer, sandbox_id, box.bundle, out_file, exclude_regex)
+            await pack_upper(
+                self.freezer, sandbox_id, box.bundle, meta_file, exclude_regex, blob_file
+            )
         finally:
             self._busy.discard(sandbox_id)
-        return None if files is None else [Path(f) for f in files]
+        return None if digests is None else [str(d) for d in digests]
 
     # ------------------------------------------------------------------ queries
 

@@ -1,7 +1,8 @@
-"""Node-wide, read-only EROFS mounts of layer files, shared by all sandboxes.
+"""Node-wide, read-only EROFS mounts of layers, shared by all sandboxes.
 
-A layer file is mounted once (file-backed, through mount(2)) at
-``<root>/<name>`` and serves every sandbox stacking it. Mounts are refcounted
+A layer is mounted once (file-backed, through mount(2); a split layer with its
+data blob as ``device=``) at ``<root>/<name>`` and serves every sandbox
+stacking it. Mounts are refcounted
 and kept as a cache while the node lives: the next sandbox on the same image
 then pays no mount at all. :meth:`LayerCache.close` unmounts the unused ones;
 mounts that survive a restart of the node agent are adopted by
@@ -19,6 +20,7 @@ import os
 import re
 from pathlib import Path
 
+from sandfleet.backends.base import LayerSource
 from sandfleet.node.mounts import MNT_DETACH, MS_RDONLY, mount, mounts_under, umount
 from sandfleet.wire.errors import Internal, NotFound
 
@@ -28,16 +30,20 @@ _MS_NODEV = 0x4
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def layer_name(layer: Path) -> str:
-    """The mount directory name of a layer file.
+def layer_name(layer: LayerSource) -> str:
+    """The mount directory name of a layer.
 
-    Keyed by the file's real path *and* inode, so a file replaced in place
-    (new inode) gets a fresh mount instead of the stale one.
+    Keyed by the metadata file's real path *and* inode, so a file replaced in
+    place (new inode) gets a fresh mount instead of the stale one, and by the
+    data blob's path: two layers whose files differ only in content share
+    their metadata image.
     """
-    real = os.path.realpath(layer)
+    real = os.path.realpath(layer.meta)
     st = os.stat(real)
-    digest = hashlib.sha256(f"{real}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:16]
-    stem = _UNSAFE.sub("_", Path(real).name)[:48]
+    data = os.path.realpath(layer.data) if layer.data is not None else ""
+    key = f"{real}\0{st.st_dev}\0{st.st_ino}\0{data}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = _UNSAFE.sub("_", Path(layer.digest or real).name.removeprefix("sha256:"))[:48]
     return f"{stem}-{digest}"
 
 
@@ -48,25 +54,34 @@ class LayerCache:
         self.root = root
         self._refs: dict[str, int] = {}
 
-    def acquire(self, layer: Path) -> tuple[str, Path]:
+    def acquire(self, layer: LayerSource) -> tuple[str, Path]:
         """Mount ``layer`` if needed and take a reference; returns (name, mount point).
 
-        Raises ``NotFound`` when the file is missing and ``Internal`` when the
-        kernel refuses to mount it (not an EROFS image, corrupt).
+        Raises ``NotFound`` when a file is missing and ``Internal`` when the
+        kernel refuses to mount it (not an EROFS image, corrupt, data blob
+        unreadable).
         """
         try:
             name = layer_name(layer)
         except FileNotFoundError:
-            raise NotFound(f"layer file {layer} does not exist on this node") from None
+            raise NotFound(f"layer file {layer.meta} does not exist on this node") from None
         point = self.root / name
         if name not in self._refs:
+            data = ""
+            if layer.data is not None:
+                if not os.path.exists(layer.data):
+                    raise NotFound(f"data blob {layer.data} of layer {layer.meta} does not exist")
+                data = f"device={os.path.realpath(layer.data)}"
             point.mkdir(parents=True, exist_ok=True)
             try:
-                mount(os.path.realpath(layer), point, "erofs", MS_RDONLY | _MS_NODEV)
+                mount(os.path.realpath(layer.meta), point, "erofs", MS_RDONLY | _MS_NODEV, data)
             except OSError as e:
                 with contextlib.suppress(OSError):
                     point.rmdir()
-                raise Internal(f"cannot mount layer {layer} (not a valid EROFS image?): {e}") from e
+                raise Internal(
+                    f"cannot mount layer {layer.digest or layer.meta} (not a valid EROFS image,"
+                    f" or its data blob unreadable?): {e}"
+                ) from e
             self._refs[name] = 0
         self._refs[name] += 1
         return name, point

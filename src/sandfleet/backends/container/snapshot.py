@@ -70,8 +70,10 @@ async def pack_upper(
     bundle: Path,
     out_file: Path,
     exclude_regex: Sequence[str] = (),
+    blob_file: Path | None = None,
 ) -> None:
-    """Pack ``bundle/disk/upper`` into ``out_file`` with the box frozen meanwhile.
+    """Pack ``bundle/disk/upper`` into ``out_file`` (and ``blob_file``, split; see
+    :func:`~sandfleet.images.erofs.pack_erofs`) with the box frozen meanwhile.
 
     Raises ``FailedPrecondition`` (no writable layer, an overlay that cannot be
     snapshotted, no freezer), ``Internal`` (the box did not freeze; it was
@@ -90,7 +92,13 @@ async def pack_upper(
         loop = asyncio.get_running_loop()
         packing = loop.run_in_executor(
             None,
-            lambda: pack_erofs(upper, out_file, preserve_mtime=True, exclude_regex=exclude_regex),
+            lambda: pack_erofs(
+                upper,
+                out_file,
+                preserve_mtime=True,
+                exclude_regex=exclude_regex,
+                blob_file=blob_file,
+            ),
         )
         await _settled(packing)
     finally:
