@@ -218,15 +218,28 @@ def test_one_small_file_fetches_few_chunks(layer: BuiltLayer, daemons: Daemons) 
     assert len(od.access(layer.digest)) == fetched
 
 
-def test_read_ahead_fetches_the_next_chunks(layer: BuiltLayer, daemons: Daemons) -> None:
+def test_read_ahead_follows_sequential_runs_only(layer: BuiltLayer, daemons: Daemons) -> None:
+    assert len(layer.record.chunks) >= 8
     od = daemons.start(layer, readahead=3)
+
+    def settle(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while od.stats()["cache"]["count"] < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # nothing more may come
+        assert od.stats()["cache"]["count"] == count
+
     with open(od.blob_path(layer.digest), "rb") as fh:
+        # a first read alone fetches its chunk only: scattered reads are most of start-up
         assert os.pread(fh.fileno(), 4096, 0) == layer.blob[:4096]
-    deadline = time.monotonic() + 10
-    while od.stats()["cache"]["count"] < 4 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert od.stats()["cache"]["count"] == 4
-    assert od.access(layer.digest) == [0]  # read-ahead is not a read
+        settle(1)
+        # chunk 1 right after chunk 0: a run of 1 reads 1 ahead (chunk 2)
+        assert os.pread(fh.fileno(), 4096, CHUNK) == layer.blob[CHUNK : CHUNK + 4096]
+        settle(3)
+        # chunk 2 ends a run of 2: 2 ahead (3, 4)
+        assert os.pread(fh.fileno(), 4096, 2 * CHUNK) == layer.blob[2 * CHUNK : 2 * CHUNK + 4096]
+        settle(5)
+    assert od.access(layer.digest) == [0, 1, 2]  # read-ahead is not a read
 
 
 def test_a_second_run_reads_from_the_cache(
