@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,69 @@ def test_start_up_reads_are_recorded_and_prefetched_on_the_next_node(
     finally:
         second.stop()
     assert_clean(second.state_dir)
+
+
+def test_local_gc_keeps_the_layers_running_sandboxes_mounted(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    store = ImageStore(images)
+    tree = tmp_path / "tree"
+    busybox_tree(tree)
+    (tree / "data.bin").write_bytes(os.urandom(3 << 20))
+    build_from_directory(store, "gc/one:1", tree)
+    dep = LocalDeployment(tmp_path / "state", images)
+    with dep, Client(dep.url) as client, client.create(image="gc/one:1") as sb:
+        store.remove("gc/one:1")
+        assert store.gc(min_age_s=0).deleted == []  # mounted: kept
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")  # reads must reach the data
+        assert sb.exec("md5sum /data.bin").ok
+    # unmounted once its sandbox and the node are gone: collectable
+    assert_clean(dep.state_dir)
+    assert len(store.gc(min_age_s=0).deleted) > 0
+    assert store.blobs.list("chunks/") == []
+
+
+def test_a_workspace_built_on_its_image_stacks_each_layer_once(
+    node: LocalDeployment, source: ImageStore, remote: tuple[str, Path], tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    (ws / "workspace").mkdir(parents=True)
+    (ws / "workspace" / "x").write_text("x\n")
+    build_from_directory(source, "od/ws-on:1", ws, kind="workspace", on=IMAGE)
+    with open_store(remote[0]) as dst:
+        push(source.blobs, dst, "od/ws-on:1")
+    with Client(node.url) as client, client.create(image=IMAGE, workspace="od/ws-on:1") as sb:
+        assert sb.exec("cat /workspace/x /data/small.txt").stdout == b"x\nsmall\n"
+
+
+def test_a_dead_daemon_is_started_again_for_new_sandboxes(node: LocalDeployment) -> None:
+    with Client(node.url) as client, client.create(image=IMAGE) as before:
+        assert before.exec(["cat", "/data/small.txt"]).ok
+        os.kill(stats(node)["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        with client.create(image=IMAGE) as after:
+            r = after.exec("cat /data/small.txt && md5sum /data/big.bin", timeout_s=120)
+            assert r.ok and r.stdout.startswith(b"small\n"), r
+            assert BIG_MD5[-1].encode() in r.stdout
+        assert any("daemon died" in e.message for e in before.events())
+
+
+def test_a_tag_pushed_again_reaches_a_node_that_pulled_it(
+    tmp_path: Path, remote: tuple[str, Path], source: ImageStore
+) -> None:
+    def tag(version: int) -> None:  # od/ws:moving holds what od/ws:<version> holds
+        source.put(source.resolve(f"od/ws:{version}").model_copy(update={"tag": "moving"}))
+        with open_store(remote[0]) as dst:
+            push(source.blobs, dst, "od/ws:moving")
+
+    tag(1)
+    dep = _node(tmp_path, remote[0], SANDFLEET_MANIFEST_TTL_S="0")
+    try:
+        with Client(dep.url) as client:
+            with client.create(image=IMAGE, workspace="od/ws:moving") as sb:
+                assert sb.exec("cat /workspace/code.py").stdout == b"VERSION = 1\n"
+            tag(2)
+            with client.create(image=IMAGE, workspace="od/ws:moving") as sb:
+                assert sb.exec("cat /workspace/code.py").stdout == b"VERSION = 2\n"
+    finally:
+        dep.stop()
+    assert_clean(dep.state_dir)

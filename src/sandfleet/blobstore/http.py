@@ -160,6 +160,11 @@ class HttpBlobStore(BlobStore):
             )
         if resp.status_code == 507:
             raise ResourceExhausted(f"writing {key} to {self.url}: the server's disk is full")
+        if resp.status_code == 500:  # what nginx answers when it cannot make the file
+            raise Unavailable(
+                f"cannot write {key} to {self.url} (HTTP 500): check the server's error log;"
+                " nginx needs `create_full_put_path on;` and a root its worker user can write"
+            )
         raise self._fail(resp, f"writing {key}")
 
     def exists(self, key: str) -> bool:

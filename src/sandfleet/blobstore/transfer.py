@@ -103,9 +103,12 @@ def list_images(store: BlobStore) -> list[ImageManifest]:
     return sorted(found, key=lambda m: (m.name, m.tag))
 
 
-def gc(store: BlobStore, *, min_age_s: float) -> GcStats:
+def gc(store: BlobStore, *, min_age_s: float, in_use: Iterable[str] = ()) -> GcStats:
     """Delete the layer records, metadata images, chunks and access lists that no
     manifest reaches and that are older than ``min_age_s`` seconds.
+
+    ``in_use``: digests of layers to keep as if a manifest named them (those
+    mounted by running sandboxes).
 
     The age guard protects a push or build in progress, whose objects land
     before their manifest; a layer record younger than it also keeps what it
@@ -130,7 +133,7 @@ def gc(store: BlobStore, *, min_age_s: float) -> GcStats:
         if o.key.startswith("layers/") and now - o.mtime < min_age_s
     }
     keep: set[str] = set()
-    for digest in roots | young:
+    for digest in roots | young | set(in_use):
         keep.update((K.layer_key(digest), K.access_key(digest)))
         try:
             record = _read_record(store, digest)

@@ -83,6 +83,8 @@ def build(
         build_workspace,
     )
 
+    if on_ref is not None and from_dir is None:
+        raise InvalidArgument("--on IMAGE goes with --from-dir only (a layer on top of IMAGE)")
     chosen = [s for s in (suite, from_dir, workspace_source) if s is not None]
     if len(chosen) != 1:
         raise InvalidArgument(
@@ -231,22 +233,25 @@ def gc(
     """Delete layer records, metadata, chunks and access lists no image references
     (left by `image rm`, or by removed snapshots' images).
 
-    A layer mounted by a running sandbox stays readable to it: its metadata is
-    held by the mount, and data it read is in the node's chunk cache.
+    In the local store, layers mounted by sandboxes running on this host are kept.
+    A shared store (--store) cannot know what nodes run: collect it only when no
+    sandbox uses the images removed from it (their data is read on demand).
     """
-    from sandfleet.blobstore import FileBlobStore, open_store, transfer
+    from sandfleet.blobstore import open_store, transfer
+    from sandfleet.images import ImageStore
 
     if store_url is not None:
-        store = open_store(store_url)
-    else:
-        store = FileBlobStore(_dirs(state_dir, images_dir)[1])
-    with store:
-        stats = transfer.gc(store, min_age_s=min_age_s)
+        with open_store(store_url) as store:
+            stats = transfer.gc(store, min_age_s=min_age_s)
+            url = store.url
+    else:  # the local store: layers mounted by running sandboxes stay
+        local = ImageStore(_dirs(state_dir, images_dir)[1])
+        stats, url = local.gc(min_age_s=min_age_s), local.blobs.url
     for key in stats.deleted:
         click.echo(f"deleted {key}")
     click.echo(
         f"deleted {len(stats.deleted)} unreferenced objects ({_mib(stats.deleted_bytes)})"
-        f" from {store.url}; kept {stats.kept}"
+        f" from {url}; kept {stats.kept}"
     )
 
 

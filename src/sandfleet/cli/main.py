@@ -46,6 +46,24 @@ _blob_store_opt = click.option(
     " from, after the local image store; repeat for several (env SANDFLEET_BLOB_STORE,"
     " space-separated).",
 )
+_cp_blob_store_opt = click.option(
+    "--blob-store",
+    "blob_stores",
+    multiple=True,
+    envvar="SANDFLEET_BLOB_STORE",
+    help="Blob store the nodes pull images from (env SANDFLEET_BLOB_STORE): an image"
+    " missing from --images-dir is then left for the node to pull, not refused.",
+)
+
+
+def _check_stores(urls: tuple[str, ...]) -> None:
+    """Refuse a malformed blob store URL before anything starts (InvalidArgument)."""
+    from sandfleet.blobstore import open_store
+
+    for url in urls:
+        open_store(url).close()
+
+
 _cache_opt = click.option(
     "--chunk-cache-mib",
     default=20 * 1024,
@@ -134,6 +152,7 @@ def up(
     from sandfleet.controlplane.app import create_app
 
     state, images = _dirs(state_dir, images_dir)
+    _check_stores(blob_stores)
     lock_dir(state, "sandfleet up")
     if node_id is None:
         node_id = "local-" + hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:6]
@@ -197,7 +216,7 @@ def up(
 )
 @click.option("--token", default=None, help="Token nodes must present (env SANDFLEET_NODE_TOKEN).")
 @_api_token_opt
-@_blob_store_opt
+@_cp_blob_store_opt
 def controlplane(
     state_dir: Path | None,
     images_dir: Path | None,
@@ -261,6 +280,7 @@ def node(
     """Run a node agent that registers with a control plane."""
     from sandfleet.cli.serve import build_node_app, check_ports_free, run_servers
 
+    _check_stores(blob_stores)
     state, images = _dirs(state_dir, images_dir)
     check_ports_free(host, [port])
     app = build_node_app(

@@ -1,12 +1,13 @@
 """Images: versioned EROFS layers in a content-addressed store, and their builders.
 
 An image is a manifest naming an ordered stack of layers (bottom first); each
-layer is an uncompressed, reproducible EROFS file stored once under its
-sha256. Builders turn a source (debootstrap, a directory, an sdist, a PyPI
+layer is an uncompressed, reproducible EROFS image split into metadata and a
+data blob cut into content-addressed chunks (:mod:`sandfleet.blobstore`).
+Builders turn a source (debootstrap, a directory, an sdist, a PyPI
 requirement, a git repository) into one layer and tag it; :func:`import_image`
 turns an OCI image layout or a ``docker save`` archive into a stack of layers;
-:func:`stack_for`
-gives the node agent the files to mount and the merged exec config.
+:func:`stack_for` gives the node agent the layers to mount and the merged exec
+config.
 """
 
 from __future__ import annotations

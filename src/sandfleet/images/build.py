@@ -199,9 +199,11 @@ def stack_for(
         config = ImageConfig(
             env={**config.env, **ws.config.env}, workdir=ws.config.workdir or config.workdir
         )
-    stack = []
+    stack: list[StackLayer] = []
     for m in manifests:
         for layer in m.layers:
+            if any(x.digest == layer.digest for x in stack):
+                continue  # a workspace built on its image (`--on`) repeats its layers
             try:
                 record = store.layer_record(layer.digest)
             except NotFound:

@@ -25,22 +25,34 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from sandfleet.blobstore import DEFAULT_CHUNK_SIZE, FileBlobStore, LayerRecord, ObjectRef
 from sandfleet.blobstore import keys as K
 from sandfleet.node import mounts
-from sandfleet.wire.errors import AlreadyExists, Internal, InvalidArgument, NotFound
+from sandfleet.wire.errors import (
+    AlreadyExists,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    SandfleetError,
+)
 from sandfleet.wire.models import ImageManifest, LayerDescriptor, LayerKind
 
 from .refs import format_ref, parse_ref
+
+if TYPE_CHECKING:
+    from sandfleet.blobstore.transfer import GcStats
 
 __all__ = ["ImageStore"]
 
 _LAYER_KINDS = ("base", "toolkit", "workspace", "diff")
 
 
+#: Largest chunk, bytes: each is one request and one cache entry.
+MAX_CHUNK_SIZE = 64 << 20
 #: Environment variable: bytes per data chunk of the layers this store packs.
 ENV_CHUNK_SIZE = "SANDFLEET_CHUNK_SIZE"
 
@@ -57,10 +69,12 @@ class ImageStore:
         if chunk_size is None:
             raw = os.environ.get(ENV_CHUNK_SIZE) or str(DEFAULT_CHUNK_SIZE)
             chunk_size = int(raw) if raw.isdigit() else -1
-        if chunk_size <= 0 or chunk_size % 4096:
+        else:
+            raw = str(chunk_size)
+        if chunk_size <= 0 or chunk_size % 4096 or chunk_size > MAX_CHUNK_SIZE:
             raise InvalidArgument(
-                f"invalid chunk size {chunk_size} (argument or {ENV_CHUNK_SIZE}): a positive"
-                " multiple of 4096 bytes, e.g. 1048576"
+                f"invalid chunk size {raw!r} (argument or {ENV_CHUNK_SIZE}): a multiple of"
+                f" 4096 bytes up to {MAX_CHUNK_SIZE >> 20} MiB, e.g. 1048576"
             )
         self.chunk_size = chunk_size
         self.blobs = FileBlobStore(self.root)
@@ -250,16 +264,42 @@ class ImageStore:
         self._manifest_path(manifest.name, manifest.tag).unlink(missing_ok=True)
         return manifest
 
-    def prune(self, min_age_s: float = 3600.0) -> builtins.list[str]:
+    def gc(self, min_age_s: float = 3600.0) -> GcStats:
         """Delete layers, metadata, chunks and access lists no manifest references and
-        that are older than ``min_age_s`` seconds; returns the keys deleted.
+        that are older than ``min_age_s`` seconds; layers mounted on this host stay.
 
         The age guard protects objects another process has just added but not
-        yet referenced from a manifest (a build or pull in progress).
+        yet referenced from a manifest (a build or pull in progress). A layer
+        whose metadata image is mounted (a running sandbox's, on this host)
+        keeps its data too: its sandboxes read it on demand.
         """
         from sandfleet.blobstore.transfer import gc
 
-        return gc(self.blobs, min_age_s=min_age_s).deleted
+        return gc(self.blobs, min_age_s=min_age_s, in_use=self._mounted_layers())
+
+    def prune(self, min_age_s: float = 3600.0) -> builtins.list[str]:
+        """:meth:`gc`, returning the keys deleted."""
+        return self.gc(min_age_s).deleted
+
+    def _mounted_layers(self) -> set[str]:
+        """Digests of the layers whose metadata image from this store is mounted here."""
+        metas_dir = os.path.realpath(self.root / "metas" / "sha256") + "/"
+        mounted = set()
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                _, _, post = line.partition(" - ")
+                fields = post.split()
+                if len(fields) >= 2 and fields[0] == "erofs" and fields[1].startswith(metas_dir):
+                    mounted.add("sha256:" + fields[1][len(metas_dir) :])
+        if not mounted:
+            return set()
+        in_use = set()
+        for obj in self.blobs.list("layers/sha256/"):
+            digest = "sha256:" + obj.key.removeprefix("layers/sha256/").removesuffix(".json")
+            with contextlib.suppress(SandfleetError, ValidationError):
+                if self.layer_record(digest).meta.digest in mounted:
+                    in_use.add(digest)
+        return in_use
 
     # ------------------------------------------------------------------ scratch
 

@@ -28,6 +28,7 @@ from sandfleet.backends.base import LayerSource
 from sandfleet.blobstore import AccessList, BlobStore, open_store
 from sandfleet.blobstore import keys as K
 from sandfleet.images.build import StackLayer, stack_for
+from sandfleet.images.refs import parse_ref
 from sandfleet.images.store import ImageStore
 from sandfleet.ondemand.client import OnDemand, OnDemandConfig
 from sandfleet.ondemand.fetcher import DEFAULT_DEADLINE_S
@@ -40,6 +41,9 @@ log = logging.getLogger("sandfleet.node.images")
 
 #: Seconds a create may spend pulling an image's metadata from the remote stores.
 METADATA_DEADLINE_S = 60.0
+#: Seconds a pulled tag is trusted before the node asks its blob stores whether it moved
+#: (environment: SANDFLEET_MANIFEST_TTL_S).
+MANIFEST_TTL_S = 30.0
 #: Environment variable: seconds a chunk may take from the blob stores before
 #: its read fails with EIO (default: the daemon's).
 ENV_FETCH_DEADLINE = "SANDFLEET_FETCH_DEADLINE_S"
@@ -79,6 +83,9 @@ class NodeImages:
         self._prefetched: set[str] = set()
         self._recorded: set[str] = set()
         self._pull_lock = asyncio.Lock()
+        self._node_events: list[dict[str, Any]] = []
+        self._checked: dict[str, float] = {}
+        self.manifest_ttl_s = float(os.environ.get("SANDFLEET_MANIFEST_TTL_S", MANIFEST_TTL_S))
 
     async def start(self) -> None:
         """Adopt the on-demand daemon a previous node agent left, or start one.
@@ -109,19 +116,76 @@ class NodeImages:
         store answered), DeadlineExceeded (pulling took longer than
         :data:`METADATA_DEADLINE_S`) and what :func:`stack_for` raises.
         """
+        await self._check_daemon()
+        refs = [image] + ([workspace] if workspace else [])
+        if self.remotes:
+            await self._refresh(refs)
         try:
             stack, config = stack_for(self.store, image, workspace)
         except NotFound:
             if not self.remotes:
                 raise
-            await self._pull([image] + ([workspace] if workspace else []))
+            await self._pull(refs)
             stack, config = stack_for(self.store, image, workspace)
         self._prefetch(stack)
         return [self.source(layer) for layer in stack], config
 
+    async def _check_daemon(self) -> None:
+        """Start the on-demand daemon again if it died.
+
+        Layers mounted over the dead one fail their reads (EIO, or SIGBUS for
+        mapped files): that is an event of every sandbox, and new sandboxes get
+        fresh mounts (the backend keys mounts by the data file's device).
+        """
+        # Not a stat of the mount: the kernel answers that from its attribute cache.
+        if self.ondemand.running():
+            return
+        died = time.time()
+        msg = (
+            "the node's on-demand daemon died: data of layers mounted before"
+            f" {time.strftime('%H:%M:%S', time.gmtime(died))} UTC is unreadable in running"
+            " sandboxes (EIO/SIGBUS); it was started again for new ones"
+        )
+        log.error(msg)
+        self._node_events.append({"time": died, "layer": None, "message": msg})
+        self._prefetched.clear()
+        async with self._pull_lock:
+            await asyncio.to_thread(self.ondemand.adopt)
+
     def source(self, layer: StackLayer) -> LayerSource:
         data = self.ondemand.blob_path(layer.digest) if layer.record.blob_size else None
         return LayerSource(meta=layer.meta, data=data, digest=layer.digest)
+
+    async def _refresh(self, refs: list[str]) -> None:
+        """Pull again a pulled tag that moved in the first remote holding it (checked at
+        most every ``manifest_ttl_s`` per tag; an unreachable store keeps ours)."""
+        from sandfleet.blobstore.transfer import pull
+
+        now = time.monotonic()
+        for ref in refs:
+            last = self._checked.get(ref)
+            if last is not None and now - last < self.manifest_ttl_s:
+                continue
+            self._checked[ref] = now
+            try:
+                name, tag = parse_ref(ref)
+                key = K.manifest_key(name, tag)
+                ours = self.store.blobs.get(key)
+            except SandfleetError:
+                continue  # not here yet: pulled below if needed
+            for remote in self.remotes:
+                try:
+                    theirs = await asyncio.wait_for(asyncio.to_thread(remote.get, key), 10.0)
+                except (SandfleetError, TimeoutError):
+                    continue
+                if theirs != ours:
+                    log.info("%s moved in %s: pulling it again", ref, remote.url)
+                    async with self._pull_lock:
+                        await asyncio.wait_for(
+                            asyncio.to_thread(pull, remote, self.store.blobs, ref),
+                            METADATA_DEADLINE_S,
+                        )
+                break
 
     async def _pull(self, refs: list[str]) -> None:
         from sandfleet.blobstore.transfer import pull
@@ -221,8 +285,9 @@ class NodeImages:
         try:
             events, _ = await asyncio.to_thread(self.ondemand.events, 0)
         except SandfleetError:
-            return []
-        return [e for e in events if e.get("layer") in wanted and e.get("time", 0) >= since]
+            events = []
+        found = [e for e in events if e.get("layer") in wanted] + self._node_events
+        return sorted((e for e in found if e.get("time", 0) >= since), key=lambda e: e["time"])
 
     async def stats(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.ondemand.stats)

@@ -77,6 +77,8 @@ class _Box:
     layers: list[LayerSource] = field(default_factory=list)
     #: Digests of its layers, bottom first.
     digests: list[str] = field(default_factory=list)
+    #: When it was created (Unix s; 0 if adopted): earlier events of its layers are not its.
+    born: float = 0.0
 
 
 class NodeService:
@@ -179,6 +181,7 @@ class NodeService:
                 AgentClient(handle.agent_socket),
                 layers=layers,
                 digests=[x.digest for x in layers],
+                born=born,
             )
         finally:
             self._pending.pop(req.id, None)
@@ -279,7 +282,7 @@ class NodeService:
             with contextlib.suppress(SandfleetError):
                 stack, _ = await self.images.stack(box.request.image, box.request.workspace)
                 box.digests = [x.digest for x in stack]
-        found = await self.images.events(box.digests, since)
+        found = await self.images.events(box.digests, max(since, box.born))
         return [
             SandboxEvent(
                 at=e["time"], kind="layer_fetch_error", message=e["message"], layer=e["layer"]

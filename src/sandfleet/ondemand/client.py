@@ -206,6 +206,11 @@ class OnDemand:
         """Whether a daemon answers on the socket with its mount live."""
         return self._live_pid() is not None
 
+    def running(self) -> bool:
+        """Whether the recorded daemon process runs (a few syscalls, no request)."""
+        pid = self._recorded_pid()
+        return pid is not None and self._is_daemon(pid)
+
     # -- requests ----------------------------------------------------------------------
 
     def blob_path(self, layer_digest: str) -> Path:

@@ -123,6 +123,12 @@ class Fetcher:
         self._lock = threading.Lock()
         self._inflight: dict[str, _Flight] = {}
         self._verified: set[str] = set()
+        #: chunk digest -> (until, error): a chunk that failed fails again at once for
+        #: a deadline's time (the kernel retries a failed read: readahead, then the page).
+        self._failed: dict[str, tuple[float, SandfleetError]] = {}
+        #: store url -> until: a store that let a fetch run out of time gets one
+        #: attempt per fetch, no retries, until it answers again or this passes.
+        self._down: dict[str, float] = {}
         self._access: dict[str, tuple[list[int], set[int]]] = {}
         self._events: deque[Event] = deque(maxlen=max_events)
         self._seq = 0
@@ -253,6 +259,10 @@ class Fetcher:
 
     def _wait_remote(self, layer: Layer, index: int) -> bytes | None:
         """The chunk from a remote (waiting at most the deadline), or None if it became local."""
+        with self._lock:
+            failed = self._failed.get(layer.record.chunks[index])
+        if failed is not None and failed[0] > time.monotonic():
+            raise failed[1]
         flight = self._flight(layer, index, foreground=True)
         if flight is None:
             return None
@@ -300,6 +310,8 @@ class Fetcher:
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(digest, None)
+                if isinstance(e, SandfleetError):
+                    self._failed[digest] = (time.monotonic() + self.deadline_s, e)
             with contextlib.suppress(InvalidStateError):  # failed by close()
                 flight.future.set_exception(e)
             return
@@ -309,6 +321,7 @@ class Fetcher:
             self._event(flight.layer, flight.index, "", f"caching chunk {digest}: {e}")
         with self._lock:
             self._inflight.pop(digest, None)
+            self._failed.pop(digest, None)
         with contextlib.suppress(InvalidStateError):
             flight.future.set_result(data)
 
@@ -328,6 +341,7 @@ class Fetcher:
             retryable: list[str] = []
             missing: list[str] = []
             corrupt: list[str] = []
+            all_down = True
             for store in self.remotes:
                 attempts += 1
                 try:
@@ -340,18 +354,26 @@ class Fetcher:
                     corrupt.append(e.message)
                     continue
                 except (SandfleetError, OSError) as e:
-                    self._event(layer, index, store.url, f"fetching {what}: {e}")
                     retryable.append(f"{store.url}: {e}")
+                    with self._lock:
+                        all_down &= self._down.get(store.url, 0.0) > time.monotonic()
                     continue
+                with self._lock:
+                    self._down.pop(store.url, None)
                 self._count(remote_chunks=1, remote_bytes=len(data))
                 return data
             left = deadline - time.monotonic()
-            if not retryable or left <= backoff:
+            if not retryable or left <= backoff or all_down:
                 break
             time.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
         reasons = "; ".join(corrupt + missing + retryable)
         if retryable:
+            with self._lock:  # the next fetches try these once, without waiting
+                until = time.monotonic() + self.deadline_s
+                for store in self.remotes:
+                    if any(r.startswith(f"{store.url}: ") for r in retryable):
+                        self._down[store.url] = until
             msg = f"{what}: gave up after {attempts} attempts in {self.deadline_s:g} s: {reasons}"
             self._event(layer, index, "", msg)
             raise Unavailable(msg)

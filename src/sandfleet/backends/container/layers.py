@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sandfleet.backends.base import LayerSource
 from sandfleet.node.mounts import MNT_DETACH, MS_RDONLY, mount, mounts_under, umount
-from sandfleet.wire.errors import Internal, NotFound
+from sandfleet.wire.errors import Internal, NotFound, Unavailable
 
 __all__ = ["LayerCache"]
 
@@ -35,12 +35,15 @@ def layer_name(layer: LayerSource) -> str:
 
     Keyed by the metadata file's real path *and* inode, so a file replaced in
     place (new inode) gets a fresh mount instead of the stale one, and by the
-    data blob's path: two layers whose files differ only in content share
-    their metadata image.
+    data blob's path and device: two layers whose files differ only in content
+    share their metadata image, and a data file served by a new FUSE mount is
+    another file.
     """
     real = os.path.realpath(layer.meta)
     st = os.stat(real)
-    data = os.path.realpath(layer.data) if layer.data is not None else ""
+    data = ""
+    if layer.data is not None:  # its device too: a restarted FUSE daemon is a new mount
+        data = f"{os.path.realpath(layer.data)}\0{os.stat(layer.data).st_dev}"
     key = f"{real}\0{st.st_dev}\0{st.st_ino}\0{data}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = _UNSAFE.sub("_", Path(layer.digest or real).name.removeprefix("sha256:"))[:48]
@@ -64,7 +67,11 @@ class LayerCache:
         try:
             name = layer_name(layer)
         except FileNotFoundError:
-            raise NotFound(f"layer file {layer.meta} does not exist on this node") from None
+            what = "layer file" if not os.path.exists(layer.meta) else "data blob"
+            path = layer.meta if what == "layer file" else layer.data
+            raise NotFound(f"{what} {path} does not exist on this node") from None
+        except OSError as e:  # ENOTCONN: the FUSE daemon serving the data blob is gone
+            raise Unavailable(f"data blob {layer.data} of a layer is unreadable: {e}") from e
         point = self.root / name
         if name not in self._refs:
             data = ""
