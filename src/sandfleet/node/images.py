@@ -32,7 +32,13 @@ from sandfleet.images.refs import parse_ref
 from sandfleet.images.store import ImageStore
 from sandfleet.ondemand.client import OnDemand, OnDemandConfig
 from sandfleet.ondemand.fetcher import DEFAULT_DEADLINE_S
-from sandfleet.wire.errors import DeadlineExceeded, NotFound, SandfleetError, Unavailable
+from sandfleet.wire.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    SandfleetError,
+    Unavailable,
+)
 from sandfleet.wire.models import ImageConfig
 
 __all__ = ["METADATA_DEADLINE_S", "NodeImages"]
@@ -69,7 +75,7 @@ class NodeImages:
     ) -> None:
         self.store = ImageStore(images_dir)
         self.remotes: list[BlobStore] = [open_store(url) for url in remotes]
-        deadline = float(os.environ.get(ENV_FETCH_DEADLINE, DEFAULT_DEADLINE_S))
+        deadline = _env_seconds(ENV_FETCH_DEADLINE, DEFAULT_DEADLINE_S)
         self.ondemand = OnDemand(
             state_dir / "ondemand",
             OnDemandConfig(
@@ -85,7 +91,7 @@ class NodeImages:
         self._pull_lock = asyncio.Lock()
         self._node_events: list[dict[str, Any]] = []
         self._checked: dict[str, float] = {}
-        self.manifest_ttl_s = float(os.environ.get("SANDFLEET_MANIFEST_TTL_S", MANIFEST_TTL_S))
+        self.manifest_ttl_s = _env_seconds("SANDFLEET_MANIFEST_TTL_S", MANIFEST_TTL_S, zero=True)
 
     async def start(self) -> None:
         """Adopt the on-demand daemon a previous node agent left, or start one.
@@ -127,7 +133,10 @@ class NodeImages:
                 raise
             await self._pull(refs)
             stack, config = stack_for(self.store, image, workspace)
-        self._prefetch(stack)
+        todo = [x for x in stack if x.digest not in self._prefetched and x.record.blob_size]
+        if todo:  # in the background: access lists may come from a remote store
+            self._prefetched.update(x.digest for x in todo)
+            asyncio.get_running_loop().run_in_executor(None, self._prefetch, todo)
         return [self.source(layer) for layer in stack], config
 
     async def _check_daemon(self) -> None:
@@ -219,15 +228,11 @@ class NodeImages:
 
     def _prefetch(self, stack: list[StackLayer]) -> None:
         for layer in stack:
-            if layer.digest in self._prefetched or not layer.record.blob_size:
-                continue
-            access = self._access_list(layer.digest)
-            if access is None:
-                continue
-            self._prefetched.add(layer.digest)
             try:
-                self.ondemand.prefetch(layer.digest, access.chunks)
-            except SandfleetError as e:
+                access = self._access_list(layer.digest)
+                if access is not None:
+                    self.ondemand.prefetch(layer.digest, access.chunks)
+            except Exception as e:  # a hint only: never fails a create
                 log.warning("prefetch of %s failed: %s", layer.digest, e)
 
     def _access_list(self, digest: str) -> AccessList | None:
@@ -291,3 +296,19 @@ class NodeImages:
 
     async def stats(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.ondemand.stats)
+
+
+def _env_seconds(name: str, default: float, *, zero: bool = False) -> float:
+    """Seconds from the environment variable ``name``; InvalidArgument if not a number
+    above 0 (or 0 itself, with ``zero``)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 or (zero and value == 0)):
+        least = "0 or more" if zero else "above 0"
+        raise InvalidArgument(f"{name}={raw!r} is not a number of seconds {least} (e.g. 30)")
+    return value
