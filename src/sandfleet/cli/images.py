@@ -141,8 +141,13 @@ def ls(state_dir: Path | None, images_dir: Path | None, store_url: str | None) -
 
         with open_store(store_url) as store:
             manifests = list_images(store)
+            where = store.url
     else:
-        manifests = ImageStore(_dirs(state_dir, images_dir)[1]).list()
+        local = ImageStore(_dirs(state_dir, images_dir)[1])
+        manifests, where = local.list(), str(local.root)
+    if not manifests:  # also what a mistyped store path looks like
+        click.echo(f"no images in {where}")
+        return
     table = Table("image", "kind", "layers", "MiB", "source")
     for m in manifests:
         table.add_row(
