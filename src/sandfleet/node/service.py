@@ -276,7 +276,8 @@ class NodeService:
         return await snapshot_sandbox(self.images.store, backend, box.request, box.config, req)
 
     async def events(self, sandbox_id: str, since: float) -> list[SandboxEvent]:
-        """Errors fetching the data of the box's layers since ``since`` (Unix s), oldest first."""
+        """What befell the data of the box's layers since ``since`` (Unix s), oldest first:
+        fetch errors, and a restart of the node's on-demand daemon."""
         box = self._box(sandbox_id)
         if not box.digests:  # adopted: its stack as its image names it now
             with contextlib.suppress(SandfleetError):
@@ -285,7 +286,10 @@ class NodeService:
         found = await self.images.events(box.digests, max(since, box.born))
         return [
             SandboxEvent(
-                at=e["time"], kind="layer_fetch_error", message=e["message"], layer=e["layer"]
+                at=e["time"],
+                kind="layer_fetch_error" if e["layer"] else "layer_daemon_restarted",
+                message=e["message"],
+                layer=e["layer"],
             )
             for e in found
         ]

@@ -235,7 +235,9 @@ class SandboxEvent(WireResponse):
 
     ``kind``: ``layer_fetch_error`` (data of one of its image layers could
     not be fetched from the blob stores: reads of those files fail with EIO
-    until a store answers). ``at`` in Unix seconds.
+    until a store answers) or ``layer_daemon_restarted`` (the node's
+    on-demand daemon died and was started again: data of its layers not read
+    before is lost to it). ``at`` in Unix seconds.
     """
 
     at: float
