@@ -39,7 +39,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -89,14 +88,7 @@ def node(work: Path, name: str, url: str | None) -> Iterator[LocalDeployment]:
 
 
 def stats(dep: LocalDeployment) -> dict[str, Any]:
-    token = (dep.state_dir / "node-token").read_text().strip()
-    r = httpx.get(
-        f"http://127.0.0.1:{dep.node_port}/v1/layers/stats",
-        headers={"authorization": f"Bearer {token}"},
-        timeout=10,
-    )
-    r.raise_for_status()
-    return dict(r.json())
+    return dict(dep.node_get("/v1/layers/stats"))
 
 
 def create_and_first_exec(client: Client) -> tuple[float, str]:

@@ -350,7 +350,7 @@ def test_add_layer_needs_both_files_and_a_known_kind(store: ImageStore, tmp_path
 def test_put_rejects_missing_layer_and_bad_digest(store: ImageStore) -> None:
     with pytest.raises(InvalidArgument, match="sha256"):
         store.layer_record("md5:abc")
-    with pytest.raises(NotFound, match="not in the image store"):
+    with pytest.raises(NotFound, match="is not in the store"):
         store.layer_record("sha256:" + "0" * 64)
     layer = {"digest": "sha256:" + "0" * 64, "size": 1, "kind": "base"}
     m = ImageManifest.model_validate({"name": "x", "tag": "1", "kind": "base", "layers": [layer]})

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from sandfleet import NotFound, Unavailable
@@ -85,14 +84,7 @@ def node(tmp_path: Path, remote: tuple[str, Path]) -> Iterator[LocalDeployment]:
 
 
 def stats(dep: LocalDeployment) -> dict[str, Any]:
-    token = (dep.state_dir / "node-token").read_text().strip()
-    r = httpx.get(
-        f"http://127.0.0.1:{dep.node_port}/v1/layers/stats",
-        headers={"authorization": f"Bearer {token}"},
-        timeout=10,
-    )
-    r.raise_for_status()
-    return r.json()
+    return dict(dep.node_get("/v1/layers/stats"))
 
 
 def remote_bytes(s: dict[str, Any]) -> int:

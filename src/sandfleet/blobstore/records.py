@@ -9,9 +9,16 @@ its own sha256 is the layer's digest.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING
 
-from .keys import check_digest, sha256_digest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sandfleet.wire.errors import DataLoss, NotFound
+
+from .keys import check_digest, layer_key, sha256_digest
+
+if TYPE_CHECKING:
+    from .base import BlobStore
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "AccessList", "LayerRecord", "ObjectRef"]
 
@@ -61,6 +68,23 @@ class LayerRecord(_Frozen):
         if digest is not None:
             check_digest(data, digest, f"layer record {digest}")
         return cls.model_validate_json(data)
+
+    @classmethod
+    def read(cls, store: BlobStore, digest: str) -> LayerRecord:
+        """The record of layer ``digest`` in ``store``, checked against the digest.
+
+        Raises :class:`NotFound` (not in the store), :class:`DataLoss` (corrupt or
+        malformed), :class:`InvalidArgument` (a malformed digest), Unavailable.
+        """
+        key = layer_key(digest)
+        try:
+            data = store.get(key)
+        except NotFound:
+            raise NotFound(f"layer {digest} is not in the store {store.url}") from None
+        try:
+            return cls.from_bytes(data, digest)
+        except ValidationError as e:
+            raise DataLoss(f"{key} in {store.url} is not a valid layer record: {e}") from None
 
     def chunk_length(self, index: int) -> int:
         """Bytes in chunk ``index`` (the last chunk may be short)."""

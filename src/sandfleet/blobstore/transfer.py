@@ -136,7 +136,7 @@ def gc(store: BlobStore, *, min_age_s: float, in_use: Iterable[str] = ()) -> GcS
     for digest in roots | young | set(in_use):
         keep.update((K.layer_key(digest), K.access_key(digest)))
         try:
-            record = _read_record(store, digest)
+            record = LayerRecord.read(store, digest)
         except NotFound:
             continue  # a manifest naming a missing layer reaches nothing more
         except DataLoss:
@@ -179,7 +179,7 @@ def _copy_image(
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="blob-copy")
     try:
         for layer in manifest.layers:
-            record = _read_record(src, layer.digest)
+            record = LayerRecord.read(src, layer.digest)
             # The record goes first: a young record keeps its objects from a concurrent gc.
             stats._add(_copy_if_missing(src, dst, K.layer_key(layer.digest), layer.digest))
             objects = [(K.meta_key(record.meta.digest), record.meta.digest)]
@@ -227,18 +227,6 @@ def _copy_access_list(src: BlobStore, dst: BlobStore, layer_digest: str) -> Tran
         raise DataLoss(f"{key} in {src.url} is the access list of {access.layer}, not its layer")
     dst.put(key, data)
     return TransferStats(copied=1, copied_bytes=len(data))
-
-
-def _read_record(store: BlobStore, digest: str) -> LayerRecord:
-    key = K.layer_key(digest)
-    try:
-        data = store.get(key)
-    except NotFound:
-        raise NotFound(f"layer record {digest} is not in {store.url}") from None
-    try:
-        return LayerRecord.from_bytes(data, digest)
-    except ValidationError as e:
-        raise DataLoss(f"{key} in {store.url} is not a valid layer record: {e}") from None
 
 
 def _parse_manifest(data: bytes, what: str) -> ImageManifest:

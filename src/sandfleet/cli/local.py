@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -53,6 +54,18 @@ class LocalDeployment:
         self.log_path = state_dir / "up.log"
         self._ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+
+    def node_get(self, path: str) -> Any:
+        """GET ``path`` (e.g. ``/v1/layers/stats``) from the node agent with the node
+        token; returns the decoded JSON. Raises ``httpx.HTTPError``."""
+        token = (self.state_dir / "node-token").read_text().strip()
+        r = httpx.get(
+            f"http://127.0.0.1:{self.node_port}{path}",
+            headers={"authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+        r.raise_for_status()
+        return r.json()
 
     def start(self) -> LocalDeployment:
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from sandfleet.blobstore import keys as K
 from sandfleet.node import mounts
 from sandfleet.wire.errors import (
     AlreadyExists,
+    DataLoss,
     Internal,
     InvalidArgument,
     NotFound,
@@ -155,14 +156,7 @@ class ImageStore:
         Raises :class:`InvalidArgument` for a malformed digest, :class:`NotFound`
         if the layer is not in this store and :class:`DataLoss` if its record is corrupt.
         """
-        try:
-            data = self.blobs.get(K.layer_key(digest))
-        except NotFound:
-            raise NotFound(f"layer {digest} is not in the image store {self.root}") from None
-        try:
-            return LayerRecord.from_bytes(data, digest)
-        except ValidationError as e:
-            raise Internal(f"corrupt layer record {digest} in {self.root}: {e}") from None
+        return LayerRecord.read(self.blobs, digest)
 
     def meta_path(self, record: LayerRecord) -> Path:
         """The local file of the layer's EROFS metadata image (it may be missing)."""
@@ -175,7 +169,7 @@ class ImageStore:
         try:
             manifest = self.resolve(ref)
             records = [self.layer_record(x.digest) for x in manifest.layers]
-        except (NotFound, Internal, InvalidArgument):
+        except (NotFound, Internal, InvalidArgument, DataLoss):
             return False
         return all(self.meta_path(r).is_file() and (not data or self.has_data(r)) for r in records)
 
