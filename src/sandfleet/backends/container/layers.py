@@ -60,9 +60,9 @@ class LayerCache:
     def acquire(self, layer: LayerSource) -> tuple[str, Path]:
         """Mount ``layer`` if needed and take a reference; returns (name, mount point).
 
-        Raises ``NotFound`` when a file is missing and ``Internal`` when the
-        kernel refuses to mount it (not an EROFS image, corrupt, data blob
-        unreadable).
+        Raises ``NotFound`` when a file is missing, ``Unavailable`` when the
+        data blob cannot be reached (its FUSE daemon is gone) and ``Internal``
+        when the kernel refuses to mount it (not an EROFS image, corrupt).
         """
         try:
             name = layer_name(layer)
@@ -74,11 +74,7 @@ class LayerCache:
             raise Unavailable(f"data blob {layer.data} of a layer is unreadable: {e}") from e
         point = self.root / name
         if name not in self._refs:
-            data = ""
-            if layer.data is not None:
-                if not os.path.exists(layer.data):
-                    raise NotFound(f"data blob {layer.data} of layer {layer.meta} does not exist")
-                data = f"device={os.path.realpath(layer.data)}"
+            data = f"device={os.path.realpath(layer.data)}" if layer.data is not None else ""
             point.mkdir(parents=True, exist_ok=True)
             try:
                 mount(os.path.realpath(layer.meta), point, "erofs", MS_RDONLY | _MS_NODEV, data)
