@@ -22,7 +22,6 @@ __all__ = [
     "StackLayer",
     "build_from_directory",
     "commit_layers",
-    "commit_tree",
     "run_tool",
     "stack_for",
     "stderr_log",
@@ -35,38 +34,6 @@ Log = Callable[[str], None]
 def stderr_log(line: str) -> None:
     """The default progress callback: ``sandfleet: <line>`` on stderr."""
     print(f"sandfleet: {line}", file=sys.stderr, flush=True)
-
-
-def commit_tree(
-    store: ImageStore,
-    ref: str,
-    tree: Path,
-    scratch: Path,
-    *,
-    kind: LayerKind,
-    config: ImageConfig,
-    source: str,
-    preserve_mtime: bool = False,
-    all_root: bool = False,
-    log: Log = stderr_log,
-) -> ImageManifest:
-    """Pack ``tree`` into one layer of ``kind``, store it and tag it as ``ref``.
-
-    ``scratch`` is a directory on the store's filesystem for temporary files.
-    Returns the stored one-layer manifest. Raises what :func:`commit_layers` raises.
-    """
-    return commit_layers(
-        store,
-        ref,
-        [tree],
-        scratch,
-        kind=kind,
-        config=config,
-        source=source,
-        preserve_mtime=preserve_mtime,
-        all_root=all_root,
-        log=log,
-    )
 
 
 def commit_layers(

@@ -13,7 +13,7 @@ from pathlib import Path
 from sandfleet.wire.errors import FailedPrecondition, InvalidArgument, Unavailable
 from sandfleet.wire.models import ImageConfig, ImageManifest
 
-from .build import Log, commit_tree, stderr_log
+from .build import Log, commit_layers, stderr_log
 from .mirror import resolve_mirror
 from .refs import parse_ref
 from .store import ImageStore
@@ -87,10 +87,10 @@ def build_debootstrap(
         _run_debootstrap([*cmd, suite, str(target), url], target, log)
         log(f"debootstrap done in {time.monotonic() - t0:.0f} s")
         _tidy_rootfs(target)
-        return commit_tree(
+        return commit_layers(
             store,
             ref,
-            target,
+            [target],
             scratch,
             kind="base",
             config=ImageConfig(env=dict(DEFAULT_ENV), workdir="/root"),

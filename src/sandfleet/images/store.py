@@ -278,13 +278,11 @@ class ImageStore:
     def _mounted_layers(self) -> set[str]:
         """Digests of the layers whose metadata image from this store is mounted here."""
         metas_dir = os.path.realpath(self.root / "metas" / "sha256") + "/"
-        mounted = set()
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                _, _, post = line.partition(" - ")
-                fields = post.split()
-                if len(fields) >= 2 and fields[0] == "erofs" and fields[1].startswith(metas_dir):
-                    mounted.add("sha256:" + fields[1][len(metas_dir) :])
+        mounted = {
+            "sha256:" + e.source.removeprefix(metas_dir)
+            for e in mounts.mount_table()
+            if e.fstype == "erofs" and e.source.startswith(metas_dir)
+        }
         if not mounted:
             return set()
         in_use = set()

@@ -23,7 +23,7 @@ from typing import Literal
 from sandfleet.wire.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from sandfleet.wire.models import ImageConfig, ImageManifest
 
-from .build import Log, commit_tree, run_tool, stderr_log
+from .build import Log, commit_layers, run_tool, stderr_log
 from .extract import extract_archive, is_archive
 from .refs import parse_ref
 from .store import ImageStore
@@ -121,10 +121,10 @@ def build_workspace(
             log(f"copying {src.location}")
             shutil.copytree(src.location, dest, symlinks=True)
         dest.chmod(0o755)
-        return commit_tree(
+        return commit_layers(
             store,
             ref,
-            tree,
+            [tree],
             scratch,
             kind="workspace",
             config=ImageConfig(workdir=WORKDIR),

@@ -10,9 +10,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MNT_DETACH", "MS_RDONLY", "is_mountpoint", "mount", "mounts_under", "umount"]
+__all__ = [
+    "MNT_DETACH",
+    "MS_RDONLY",
+    "MountEntry",
+    "is_mountpoint",
+    "mount",
+    "mount_table",
+    "mounts_under",
+    "umount",
+]
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -52,16 +63,46 @@ def umount(target: str | Path, flags: int = 0) -> None:
         raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo: ``dev`` ('major:minor'), the mount ``point``
+    and ``source`` (unescaped), ``fstype`` and the super block's ``options`` (as the
+    kernel writes them)."""
+
+    dev: str
+    point: str
+    fstype: str
+    source: str
+    options: list[str]
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_table() -> list[MountEntry]:
+    """Every mount of this mount namespace, in mountinfo's order (a mount stacked on
+    another comes after it)."""
+    entries = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            pre, _, post = line.partition(" - ")
+            head, tail = pre.split(), post.split()
+            if len(head) < 5 or len(tail) < 2:
+                continue
+            options = tail[2].split(",") if len(tail) > 2 else []
+            entries.append(
+                MountEntry(head[2], _unescape(head[4]), tail[0], _unescape(tail[1]), options)
+            )
+    return entries
+
+
 def mounts_under(prefix: str | Path) -> list[str]:
     """Mount points at or below ``prefix``, deepest first (the order to unmount in)."""
     base = os.path.realpath(prefix)
-    found: list[str] = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            point = line.split()[4].replace("\\040", " ")
-            if point == base or point.startswith(base + "/"):
-                found.append(point)
-    return sorted(set(found), key=len, reverse=True)
+    found = {e.point for e in mount_table() if e.point == base or e.point.startswith(base + "/")}
+    return sorted(found, key=len, reverse=True)
 
 
 def is_mountpoint(path: str | Path) -> bool:

@@ -320,14 +320,11 @@ class OnDemand:
         """Mount points of EROFS mounts whose metadata image is in the local store (the
         kernel does not show ``device=`` in mountinfo, so this is a hint, not proof)."""
         store = os.path.realpath(self.config.store_root) + "/"
-        found = []
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                _, _, post = line.partition(" - ")
-                fields = post.split()
-                if len(fields) >= 2 and fields[0] == "erofs" and fields[1].startswith(store):
-                    found.append(line.split()[4].replace("\\040", " "))
-        return found
+        return [
+            e.point
+            for e in mounts.mount_table()
+            if e.fstype == "erofs" and e.source.startswith(store)
+        ]
 
     def _log_tail(self, start: int, limit: int = 2000) -> str:
         try:

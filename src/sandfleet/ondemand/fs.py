@@ -25,6 +25,7 @@ import mfusepy
 
 from sandfleet.blobstore.keys import layer_key
 from sandfleet.blobstore.records import LayerRecord
+from sandfleet.node.mounts import mount_table
 from sandfleet.wire.errors import NotFound, SandfleetError
 
 from .fetcher import Fetcher, Layer
@@ -166,15 +167,10 @@ def tune_read_ahead(mount_point: str, kb: int = READ_AHEAD_KB) -> None:
     symlinks), in KiB, through sysfs. Found through mountinfo, without touching the
     mount itself, so it may run inside the file system's init. Raises LookupError if
     nothing is mounted there, ``OSError`` if sysfs refuses."""
-    dev = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            fields = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            if point == mount_point and " - fuse." in line:
-                dev = fields[2]  # the last one: the top of a stack of mounts
-    if dev is None:
+    devs = [e.dev for e in mount_table() if e.point == mount_point and e.fstype.startswith("fuse.")]
+    if not devs:
         raise LookupError(f"no FUSE file system is mounted at {mount_point}")
+    dev = devs[-1]  # the last one: the top of a stack of mounts
     (Path("/sys/class/bdi") / dev / "read_ahead_kb").write_text(f"{kb}\n")
 
 

@@ -21,7 +21,14 @@ import re
 from pathlib import Path
 
 from sandfleet.backends.base import LayerSource
-from sandfleet.node.mounts import MNT_DETACH, MS_RDONLY, mount, mounts_under, umount
+from sandfleet.node.mounts import (
+    MNT_DETACH,
+    MS_RDONLY,
+    mount,
+    mount_table,
+    mounts_under,
+    umount,
+)
 from sandfleet.wire.errors import Internal, NotFound, Unavailable
 
 __all__ = ["LayerCache"]
@@ -144,13 +151,10 @@ class LayerCache:
 def _overlay_lowers() -> set[str]:
     """Every lowerdir of every overlay mount on the node (this mount namespace)."""
     lowers: set[str] = set()
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            _, _, post = line.partition(" - ")
-            fields = post.split()
-            if len(fields) < 3 or fields[0] != "overlay":
-                continue
-            for opt in fields[2].split(","):
-                if opt.startswith("lowerdir="):
-                    lowers.update(p.replace("\\040", " ") for p in opt[9:].split(":"))
+    for entry in mount_table():
+        if entry.fstype != "overlay":
+            continue
+        for opt in entry.options:
+            if opt.startswith("lowerdir="):
+                lowers.update(p.replace("\\040", " ") for p in opt[9:].split(":"))
     return lowers

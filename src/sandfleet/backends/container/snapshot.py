@@ -18,6 +18,7 @@ from typing import Any
 
 from sandfleet.backends.container.freezer import Freezer
 from sandfleet.images.erofs import pack_erofs
+from sandfleet.node.mounts import mount_table
 from sandfleet.wire.errors import FailedPrecondition, Internal
 
 __all__ = ["check_overlay", "pack_upper"]
@@ -26,13 +27,9 @@ _OVERLAY_PARAMS = Path("/sys/module/overlay/parameters")
 
 def _overlay_options(rootfs: Path) -> list[str]:
     """The super options of the overlay mounted at ``rootfs``; [] if none is."""
-    target = str(rootfs).replace(" ", "\\040")
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            pre, _, post = line.partition(" - ")
-            fields = post.split()
-            if pre.split()[4] == target and fields[:1] == ["overlay"] and len(fields) >= 3:
-                return fields[2].split(",")
+    for entry in mount_table():
+        if entry.point == str(rootfs) and entry.fstype == "overlay":
+            return entry.options
     return []
 
 
