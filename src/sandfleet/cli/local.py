@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,8 +41,11 @@ class LocalDeployment:
         ready_timeout_s: float = 60.0,
         *,
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.state_dir = state_dir
+        #: More environment for ``sandfleet up`` (e.g. ``SANDFLEET_VM_TEMPLATES``).
+        self.env = dict(env or {})
         #: More ``sandfleet up`` options, e.g. ``["--blob-store", url]``.
         self.extra_args = list(extra_args)
         self.images_dir = images_dir or state_dir / "images"
@@ -90,6 +93,7 @@ class LocalDeployment:
         env = {
             **os.environ,
             "SANDFLEET_LOG_LEVEL": os.environ.get("SANDFLEET_LOG_LEVEL", "warning"),
+            **self.env,
         }
         try:
             self._proc = subprocess.Popen(

@@ -8,7 +8,11 @@
  * Spawned (background) processes each get a supervisor process that owns
  * the process, its pipes and its output; handlers relay to it over a Unix
  * socket in a private run directory.
- * The wire protocol is documented in protocol.py next to this file.
+ * Guest mode (a VM, --vport-fd): connections arrive as channels multiplexed
+ * on one virtio-serial port. A mux child process speaks that protocol and
+ * passes each channel's socketpair end to PID 1, which serves it exactly like
+ * an accepted connection.
+ * The wire protocols are documented in protocol.py next to this file.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -24,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -56,12 +61,22 @@ static sigset_t wait_mask;  /* mask while sleeping in ppoll: our signals open */
 static int handoff[2] = {-1, -1}; /* handler -> PID 1: pipe fds to keep draining */
 static const char *sock_path;
 static pid_t main_pid; /* ping reports the agent, not the handler */
+/* --oom-events: a file with an "oom_kill N" line (memory.events, memory.oom_control) */
+static const char *oom_events;
+/* Guest mode: the virtio-serial port, and mux -> PID 1 channel ends (SCM_RIGHTS). */
+static int vport_fd = -1;
+static int chan_sock[2] = {-1, -1};
+static pid_t mux_pid; /* PID 1's current mux child, 0 while none runs */
 /* Supervisor sockets live here (0700, root); "" if no writable place was found. */
 static char run_dir[96];
 static int make_run_dir(const char *path);
 /* Spawn ids: one counter shared by all handlers through a MAP_SHARED page that
  * PID 1 maps but never touches, so it costs PID 1 no RSS. */
 static uint64_t *spawn_ctr;
+/* The early OOM killer's kills, in the same page (PID 1 touches it only to
+ * count one), so that handlers see them. */
+static uint64_t *psi_kills;
+static int psi_on; /* the early OOM killer (PID 1, with --oom-events) watches */
 
 /* Big buffers live in BSS: untouched pages cost no RSS, and only handlers touch them. */
 static uint8_t req_buf[MAX_FRAME];
@@ -106,8 +121,10 @@ static void reap_kids(void)
 	int st;
 	pid_t p;
 	got_chld = 0;
-	while ((p = waitpid(-1, &st, WNOHANG)) > 0)
+	while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
 		if (p == cmd_pid && cmd_pid > 0) cmd_done = 1, cmd_status = st;
+		if (p == mux_pid && mux_pid > 0) mux_pid = 0; /* serve() starts a new one */
+	}
 }
 
 struct pp {
@@ -406,13 +423,11 @@ static int pump(int c, struct stream *s)
 	return 0;
 }
 
-/* Pipes still open after the command exited belong to its background jobs:
- * PID 1 keeps reading them so those jobs never die of SIGPIPE. */
-static void hand_off(int fd)
+/* Sends `fd` (SCM_RIGHTS) with the bytes `data`; sendmsg's result. */
+static ssize_t send_fd(int s, int fd, const void *data, size_t n, int flags)
 {
 	char cbuf[CMSG_SPACE(sizeof(int))];
-	uint8_t dummy = 0;
-	struct iovec iov = {.iov_base = &dummy, .iov_len = 1};
+	struct iovec iov = {.iov_base = (void *)data, .iov_len = n};
 	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
 			    .msg_controllen = sizeof cbuf};
 	struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
@@ -420,7 +435,31 @@ static void hand_off(int fd)
 	cm->cmsg_type = SCM_RIGHTS;
 	cm->cmsg_len = CMSG_LEN(sizeof(int));
 	memcpy(CMSG_DATA(cm), &fd, sizeof fd);
-	sendmsg(handoff[1], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+	return sendmsg(s, &mh, flags | MSG_NOSIGNAL);
+}
+
+/* One fd passed with a 1-byte message, non-blocking; -1 if none came. */
+static int recv_fd(int s)
+{
+	char cbuf[CMSG_SPACE(sizeof(int))];
+	uint8_t dummy;
+	struct iovec iov = {.iov_base = &dummy, .iov_len = 1};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+			    .msg_controllen = sizeof cbuf};
+	struct cmsghdr *cm;
+	int fd = -1;
+	if (recvmsg(s, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) > 0 && (cm = CMSG_FIRSTHDR(&mh)) &&
+	    cm->cmsg_type == SCM_RIGHTS)
+		memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+	return fd;
+}
+
+/* Pipes still open after the command exited belong to its background jobs:
+ * PID 1 keeps reading them so those jobs never die of SIGPIPE. */
+static void hand_off(int fd)
+{
+	uint8_t dummy = 0;
+	send_fd(handoff[1], fd, &dummy, 1, MSG_DONTWAIT);
 	close(fd);
 }
 
@@ -777,6 +816,24 @@ static void start_failed(int c, struct cmd *cm, int e, int cred_fail, const char
 		send_err(c, e, "%s: fork: %s (process limit reached?)", op, strerror(e));
 }
 
+/* The "oom_kill N" count in --oom-events (cgroup v2 memory.events, v1
+ * memory.oom_control) plus the early OOM killer's kills (see psi_tick), or -1
+ * without the option or when the file is unreadable. */
+static long long oom_kills(void)
+{
+	char buf[1024];
+	int fd = oom_events ? open(oom_events, O_RDONLY | O_CLOEXEC) : -1;
+	if (fd < 0) return -1;
+	ssize_t n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0) return -1;
+	buf[n] = 0;
+	long long own = psi_on && psi_kills ? (long long)__atomic_load_n(psi_kills, __ATOMIC_SEQ_CST) : 0;
+	for (char *line = buf; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+		if (!strncmp(line, "oom_kill ", 9)) return strtoll(line + 9, NULL, 10) + own;
+	return -1;
+}
+
 static void op_exec(int c, const uint8_t *req, uint32_t n)
 {
 	struct cmd cm = {.timeout_ms = 60000, .max_out = 16u << 20};
@@ -792,6 +849,7 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 		return;
 	}
 	uint64_t t0 = now_ns();
+	long long ooms = oom_kills();
 	int e, cred_fail;
 	pid_t pid = start_cmd(&cm, pin[0], pout[1], perr[1], &e, &cred_fail);
 	if (pid < 0) {
@@ -897,6 +955,10 @@ static void op_exec(int c, const uint8_t *req, uint32_t n)
 	} else {
 		put32(res + 1, (uint32_t)WEXITSTATUS(status));
 	}
+	/* It failed while the memory limit killed something (the command, or a
+	 * child a shell reports as 137): oom, not a code that passes for its own. */
+	int failed = res[0] == 1 || (res[0] == 0 && WEXITSTATUS(status) != 0);
+	if (failed && ooms >= 0 && oom_kills() > ooms) res[0] = 3;
 	put64(res + 9, so.dropped);
 	put64(res + 17, se.dropped);
 	put64(res + 25, dur);
@@ -1310,17 +1372,8 @@ static void sup_exit(void)
 
 static void pass_fd(int s, int fd)
 {
-	char cbuf[CMSG_SPACE(sizeof(int))];
 	uint8_t hdr[5] = {0, 0, 0, 0, 'K'};
-	struct iovec iov = {.iov_base = hdr, .iov_len = 5};
-	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
-			    .msg_controllen = sizeof cbuf};
-	struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-	cm->cmsg_level = SOL_SOCKET;
-	cm->cmsg_type = SCM_RIGHTS;
-	cm->cmsg_len = CMSG_LEN(sizeof(int));
-	memcpy(CMSG_DATA(cm), &fd, sizeof fd);
-	sendmsg(s, &mh, MSG_NOSIGNAL);
+	send_fd(s, fd, hdr, 5, 0);
 }
 
 /* Answers a parked caller if its condition holds (or its deadline passed). */
@@ -1982,6 +2035,508 @@ static void handle(int c)
 	}
 }
 
+/* ------------------------------------------------------------------ guest mode: the mux */
+
+/* Frames on the port: u8 type | u32 channel | u32 length | payload, big-endian
+ * (protocol.py has the whole protocol). */
+#define MUX_HDR 9
+#define MUX_PAYLOAD (64u << 10)        /* largest payload */
+#define MUX_WINDOW (256u << 10)        /* unacknowledged bytes per channel and direction */
+#define MUX_CHANS 256                  /* channels at once; more are refused with C */
+#define MUX_RESERVE (12u << 10)        /* output room kept for A/F/C/H/Q frames */
+#define MUX_PAD (MUX_HDR + MUX_PAYLOAD) /* zero bytes: end any half-sent frame */
+#define MUX_VERSION 1
+#define RNDADDENTROPY 0x40085203 /* _IOW('R', 3, int[2]); no kernel headers with musl */
+#define RNDRESEEDCRNG 0x5207     /* _IO('R', 7) */
+
+/* The S frame (its payload a fixed magic): found byte by byte when out of sync. */
+static const uint8_t mux_sync[MUX_HDR + 16] = {'S', 0, 0, 0, 0, 0, 0, 0, 16, 's', 'a', 'n', 'd', 'f',
+					       'l', 'e', 'e', 't', '-', 'm', 'u', 'x', '-', 'v', '1'};
+
+struct mux_chan {
+	uint32_t id;
+	int fd;           /* our end of the channel's socketpair; -1 once closed */
+	int peer;         /* PID 1's end until it is passed, else -1 */
+	uint8_t *ring;    /* host data the local end did not take yet (MUX_WINDOW bytes) */
+	uint32_t rhead, rlen;
+	uint32_t to_ack;  /* delivered to the local end, not acknowledged yet */
+	uint32_t unacked; /* sent to the host, not acknowledged yet */
+	uint8_t host_fin, shut, local_eof, hup;
+};
+
+static struct mux_chan chans[MUX_CHANS];
+static int nchans;
+static uint8_t mux_in[2 * (MUX_HDR + MUX_PAYLOAD)];
+static uint32_t in_len;
+static uint8_t mux_out[3 * (MUX_HDR + MUX_PAYLOAD)];
+static uint32_t out_off, out_len;
+static int desync;   /* discarding input up to the next S frame */
+static int pad_owed; /* zeros to send: make the host start a new session */
+
+static void mux_log(const char *fmt, ...)
+{
+	char msg[256];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	if (n >= (int)sizeof msg) n = sizeof msg - 1;
+	if (n > 0 && dprintf(2, "sandfleet-agent mux: %.*s\n", n, msg) < 0) return;
+}
+
+static uint32_t out_free(void) { return (uint32_t)sizeof mux_out - (out_len - out_off); }
+
+/* Room for n more bytes at the end of the output (pending bytes move to the front). */
+static uint8_t *out_tail(uint32_t n)
+{
+	if (sizeof mux_out - out_len < n && out_off) {
+		memmove(mux_out, mux_out + out_off, out_len - out_off);
+		out_len -= out_off;
+		out_off = 0;
+	}
+	return sizeof mux_out - out_len >= n ? mux_out + out_len : NULL;
+}
+
+static void put_hdr(uint8_t *p, uint8_t type, uint32_t ch, uint32_t n)
+{
+	p[0] = type;
+	put32(p + 1, ch);
+	put32(p + 5, n);
+}
+
+static void out_frame(uint8_t type, uint32_t ch, const void *payload, uint32_t n)
+{
+	uint8_t *p = out_tail(MUX_HDR + n);
+	if (!p) return; /* cannot happen: input and local reads stop short of MUX_RESERVE */
+	put_hdr(p, type, ch, n);
+	if (n) memcpy(p + MUX_HDR, payload, n);
+	out_len += MUX_HDR + n;
+}
+
+/* Writes what the port takes now; -1 when the host side is gone. */
+static int mux_flush(void)
+{
+	while (out_off < out_len) {
+		ssize_t w = write(vport_fd, mux_out + out_off, out_len - out_off);
+		if (w > 0) {
+			out_off += (uint32_t)w;
+			continue;
+		}
+		if (w < 0 && errno == EINTR) continue;
+		if (w == 0 || errno == EAGAIN) break;
+		return -1;
+	}
+	if (out_off == out_len) out_off = out_len = 0;
+	return 0;
+}
+
+static struct mux_chan *mux_find(uint32_t id)
+{
+	for (int i = 0; i < nchans; i++)
+		if (chans[i].fd >= 0 && chans[i].id == id) return &chans[i];
+	return NULL;
+}
+
+/* Closes a channel's local end at once (its handler sees EOF or EPIPE and ends
+ * the call); `tell` the host with C. The slot is reused after mux_compact(). */
+static void mux_close(struct mux_chan *c, int tell)
+{
+	if (tell) out_frame('C', c->id, NULL, 0);
+	close(c->fd);
+	if (c->peer >= 0) close(c->peer);
+	free(c->ring);
+	*c = (struct mux_chan){.fd = -1, .peer = -1};
+}
+
+static void mux_compact(void)
+{
+	int j = 0;
+	for (int i = 0; i < nchans; i++)
+		if (chans[i].fd >= 0) chans[j++] = chans[i];
+	nchans = j;
+}
+
+/* Every channel goes (no C: the host dropped its side already or asked for this). */
+static void mux_drop(void)
+{
+	for (int i = 0; i < nchans; i++)
+		if (chans[i].fd >= 0) mux_close(&chans[i], 0);
+	nchans = 0;
+}
+
+/* PID 1 serves the other end like an accepted connection. It may lag behind:
+ * then the end waits here and goes when the socket is writable again. */
+static void mux_pass(struct mux_chan *c)
+{
+	uint8_t one = 1;
+	if (send_fd(chan_sock[1], c->peer, &one, 1, MSG_DONTWAIT) == 1) {
+		close(c->peer);
+		c->peer = -1;
+	} else if (errno != EAGAIN && errno != EINTR) {
+		mux_log("cannot pass channel %u to PID 1: %s", c->id, strerror(errno));
+		mux_close(c, 1);
+	}
+}
+
+static void mux_open(uint32_t id)
+{
+	int sv[2];
+	struct mux_chan *c = mux_find(id);
+	if (c) { /* the host never reuses an id within a session: refuse both */
+		mux_close(c, 1);
+		return;
+	}
+	if (nchans == MUX_CHANS) mux_compact();
+	if (nchans == MUX_CHANS || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+		out_frame('C', id, NULL, 0);
+		return;
+	}
+	fcntl(sv[0], F_SETFL, O_NONBLOCK);
+	c = &chans[nchans++];
+	*c = (struct mux_chan){.id = id, .fd = sv[0], .peer = sv[1]};
+	mux_pass(c);
+}
+
+/* Host data for the local end: straight into the socket, the rest into the
+ * ring (never more than the window the host may have unacknowledged). */
+static void mux_deliver(struct mux_chan *c, const uint8_t *p, uint32_t n)
+{
+	if (c->host_fin || !n) return;
+	if (!c->rlen) {
+		ssize_t w = send(c->fd, p, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+		if (w < 0 && errno != EAGAIN && errno != EINTR) {
+			mux_close(c, 1); /* the handler is gone */
+			return;
+		}
+		if (w > 0) p += w, n -= (uint32_t)w, c->to_ack += (uint32_t)w;
+		if (!n) return;
+	}
+	if (n > MUX_WINDOW - c->rlen || (!c->ring && !(c->ring = malloc(MUX_WINDOW)))) {
+		mux_log("channel %u: host data over the window (or no memory): channel aborted", c->id);
+		mux_close(c, 1);
+		return;
+	}
+	uint32_t at = (c->rhead + c->rlen) % MUX_WINDOW;
+	uint32_t first = MUX_WINDOW - at < n ? MUX_WINDOW - at : n;
+	memcpy(c->ring + at, p, first);
+	memcpy(c->ring, p + first, n - first);
+	c->rlen += n;
+}
+
+static void mux_drain_ring(struct mux_chan *c)
+{
+	while (c->rlen) {
+		uint32_t k = MUX_WINDOW - c->rhead < c->rlen ? MUX_WINDOW - c->rhead : c->rlen;
+		ssize_t w = send(c->fd, c->ring + c->rhead, k, MSG_DONTWAIT | MSG_NOSIGNAL);
+		if (w < 0 && (errno == EAGAIN || errno == EINTR)) return;
+		if (w <= 0) {
+			mux_close(c, 1);
+			return;
+		}
+		c->rhead = (c->rhead + (uint32_t)w) % MUX_WINDOW;
+		c->rlen -= (uint32_t)w;
+		c->to_ack += (uint32_t)w;
+	}
+	free(c->ring); /* an idle channel holds no buffer */
+	c->ring = NULL;
+	c->rhead = 0;
+}
+
+/* Local data goes out only within the host's credit and the output's room:
+ * a slow reader on the host stalls its own channel and nothing else. */
+static int mux_can_read(const struct mux_chan *c)
+{
+	return c->fd >= 0 && !c->local_eof && c->unacked < MUX_WINDOW &&
+	       out_free() >= MUX_HDR + MUX_PAYLOAD + MUX_RESERVE;
+}
+
+static void mux_read_local(struct mux_chan *c)
+{
+	uint32_t n = MUX_WINDOW - c->unacked < MUX_PAYLOAD ? MUX_WINDOW - c->unacked : MUX_PAYLOAD;
+	uint8_t *p = out_tail(MUX_HDR + n);
+	ssize_t r = p ? read(c->fd, p + MUX_HDR, n) : -1;
+	if (r > 0) {
+		put_hdr(p, 'D', c->id, (uint32_t)r);
+		out_len += MUX_HDR + (uint32_t)r;
+		c->unacked += (uint32_t)r;
+	} else if (r == 0) {
+		c->local_eof = 1;
+		out_frame('F', c->id, NULL, 0);
+	} else if (p && errno != EAGAIN && errno != EINTR) {
+		mux_close(c, 1);
+	}
+}
+
+/* Without the capabilities (a test run as a user, a restarted mux) these are
+ * skipped: said once per mux, not on every hello. */
+static void mux_warn(int bit, const char *what)
+{
+	static int said;
+	if (said & bit) return;
+	said |= bit;
+	mux_log("%s: %s", what, strerror(errno));
+}
+
+/* H: u64 realtime ns | u16 hostname length | hostname | 32 bytes entropy. A
+ * restored VM's clock is stale and its random state a copy of the template's. */
+static void mux_hello(const uint8_t *p, uint32_t n)
+{
+	uint32_t hl = n >= 10 ? (uint32_t)p[8] << 8 | p[9] : 0;
+	if (n < 10 || n != 10 + hl + 32 || hl > 64) {
+		mux_log("malformed hello (%u bytes): clock, hostname and entropy left as they are", n);
+		return;
+	}
+	uint64_t ns = (uint64_t)get32(p) << 32 | get32(p + 4);
+	struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+	if (ns && clock_settime(CLOCK_REALTIME, &ts) < 0) mux_warn(1, "clock not set");
+	if (hl && sethostname((const char *)p + 10, hl) < 0) mux_warn(2, "hostname not set");
+	struct {
+		int bits, size;
+		uint8_t buf[32];
+	} ent = {256, 32, {0}};
+	memcpy(ent.buf, p + 10 + hl, 32);
+	int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+	if (fd < 0 || ioctl(fd, RNDADDENTROPY, &ent) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0)
+		mux_warn(4, "entropy not added");
+	if (fd >= 0) close(fd);
+}
+
+static void mux_frame(uint8_t type, uint32_t ch, const uint8_t *p, uint32_t n)
+{
+	uint8_t v[4];
+	struct mux_chan *c;
+	switch (type) {
+	case 'S': mux_drop(); break;
+	case 'H':
+		mux_drop();
+		mux_hello(p, n);
+		put32(v, MUX_VERSION);
+		out_frame('H', 0, v, 4);
+		break;
+	case 'Q':
+		mux_drop();
+		sync(); /* the host saves the disk next */
+		out_frame('Q', 0, NULL, 0);
+		break;
+	case 'O': mux_open(ch); break;
+	default:
+		/* frames of a channel closed meanwhile were in flight: ignored */
+		if (!(c = mux_find(ch))) break;
+		if (type == 'D') mux_deliver(c, p, n);
+		else if (type == 'F') c->host_fin = 1;
+		else if (type == 'C') mux_close(c, 0);
+		else if (type == 'A' && n == 4) c->unacked -= get32(p) < c->unacked ? get32(p) : c->unacked;
+	}
+}
+
+/* Parses whole frames off the input. Out of sync (started, or garbage) it
+ * skips to the next S frame; the host sends zeros, S and H to start a session. */
+static void mux_input(void)
+{
+	uint32_t off = 0;
+	while (out_free() >= MUX_RESERVE + 64) {
+		uint8_t *f = mux_in + off;
+		uint32_t have = in_len - off;
+		if (desync) {
+			uint8_t *s = memmem(f, have, mux_sync, sizeof mux_sync);
+			if (!s) {
+				off = in_len - (have < sizeof mux_sync ? have : sizeof mux_sync - 1);
+				break;
+			}
+			off = (uint32_t)(s - mux_in);
+			desync = 0;
+			continue;
+		}
+		if (have < MUX_HDR) break;
+		uint32_t n = get32(f + 5);
+		if (n > MUX_PAYLOAD || !f[0] || !strchr("SHQODFCA", f[0]) ||
+		    (f[0] == 'S' && (n != 16 || (have >= sizeof mux_sync && memcmp(f, mux_sync, sizeof mux_sync))))) {
+			/* Zeros are a host starting a session. Anything else is garbage
+			 * the host does not know about: answer with zeros, which the host
+			 * reads as an invalid frame, so it starts a new session. */
+			if (f[0]) {
+				mux_log("invalid frame 0x%02x (%u bytes): channels dropped, resynchronising", f[0], n);
+				pad_owed = 1;
+			}
+			mux_drop();
+			desync = 1;
+			continue;
+		}
+		if (have < MUX_HDR + n) break;
+		off += MUX_HDR + n;
+		mux_frame(f[0], get32(f + 1), f + MUX_HDR, n);
+	}
+	memmove(mux_in, mux_in + off, in_len - off);
+	in_len -= off;
+}
+
+/* Acknowledgements, half-closes, finished channels. */
+static void mux_finish(void)
+{
+	uint8_t *z;
+	if (pad_owed && out_free() >= MUX_PAD + MUX_RESERVE && (z = out_tail(MUX_PAD))) {
+		memset(z, 0, MUX_PAD);
+		out_len += MUX_PAD;
+		pad_owed = 0;
+	}
+	for (int i = 0; i < nchans; i++) {
+		struct mux_chan *c = &chans[i];
+		if (c->fd < 0) continue;
+		if (c->to_ack) {
+			uint8_t a[4];
+			put32(a, c->to_ack);
+			out_frame('A', c->id, a, 4);
+			c->to_ack = 0;
+		}
+		if (c->host_fin && !c->rlen && !c->shut) {
+			shutdown(c->fd, SHUT_WR);
+			c->shut = 1;
+		}
+		if (c->local_eof && c->shut) mux_close(c, 0); /* both sides sent F */
+		else if (c->peer >= 0) mux_pass(c);
+	}
+}
+
+/* The host side is gone (POLLHUP, EOF): whatever is in flight belongs to a
+ * session that ended. A virtio port reports POLLHUP until the host is back;
+ * check every 50 ms. */
+static void mux_disconnected(void)
+{
+	mux_drop();
+	in_len = 0;
+	out_off = out_len = 0;
+	desync = 1;
+	pad_owed = 0; /* a new host starts a new session anyway */
+	for (;;) {
+		struct timespec ts = {0, 50 * 1000000};
+		struct pollfd p = {.fd = vport_fd, .events = POLLIN};
+		nanosleep(&ts, NULL);
+		int r = poll(&p, 1, 0);
+		if ((r < 0 && errno != EINTR) || (p.revents & POLLNVAL)) _exit(1);
+		if (r >= 0 && !(p.revents & (POLLHUP | POLLERR))) return;
+	}
+}
+
+static void mux_loop(void)
+{
+	static struct pollfd p[2 + MUX_CHANS];
+	/* Zeros end any frame a mux before us left half-written: the host then
+	 * reads an invalid frame and starts a new session. */
+	memset(mux_out, 0, MUX_PAD);
+	out_len = MUX_PAD;
+	desync = 1;
+	for (;;) {
+		int pending = 0;
+		mux_compact();
+		p[0] = (struct pollfd){.fd = vport_fd, .events = out_len > out_off ? POLLOUT : 0};
+		if (in_len < sizeof mux_in && out_free() >= MUX_RESERVE + 64) p[0].events |= POLLIN;
+		for (int i = 0; i < nchans; i++) {
+			struct mux_chan *c = &chans[i];
+			short ev = (short)((mux_can_read(c) ? POLLIN : 0) | (c->rlen ? POLLOUT : 0));
+			pending |= c->peer >= 0;
+			/* a peer that hung up is polled only when there is something to do,
+			 * or POLLHUP would wake us in a loop */
+			p[2 + i] = (struct pollfd){.fd = ev || !c->hup ? c->fd : -1, .events = ev};
+		}
+		p[1] = (struct pollfd){.fd = pending ? chan_sock[1] : -1, .events = POLLOUT};
+		if (poll(p, 2 + (nfds_t)nchans, -1) < 0) continue;
+		if (p[0].revents & POLLNVAL) _exit(1);
+		if (p[0].revents & (POLLHUP | POLLERR)) {
+			mux_disconnected();
+			continue;
+		}
+		if ((p[0].revents & POLLOUT) && mux_flush() < 0) {
+			mux_disconnected();
+			continue;
+		}
+		for (int i = 0; i < nchans; i++) {
+			struct mux_chan *c = &chans[i];
+			short r = p[2 + i].revents;
+			if (c->fd < 0 || !r) continue;
+			if (r & (POLLHUP | POLLERR)) c->hup = 1;
+			if (c->rlen && (r & (POLLOUT | POLLHUP | POLLERR))) mux_drain_ring(c);
+			if ((r & (POLLIN | POLLHUP | POLLERR)) && mux_can_read(c)) mux_read_local(c);
+		}
+		if (p[0].revents & POLLIN) {
+			ssize_t r = read(vport_fd, mux_in + in_len, sizeof mux_in - in_len);
+			if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+				mux_disconnected();
+				continue;
+			}
+			if (r > 0) in_len += (uint32_t)r;
+		}
+		mux_input();
+		mux_finish();
+		if (mux_flush() < 0) mux_disconnected();
+	}
+}
+
+/* The mux process: forked by PID 1, before it drops capabilities (the hello
+ * sets the clock and hostname), under the guard uid like handlers. */
+static void mux_child(void)
+{
+	for (int fd = 3; fd < 1024; fd++)
+		if (fd != vport_fd && fd != chan_sock[1]) close(fd);
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	if (getppid() != main_pid) _exit(0);
+	prctl(PR_SET_NAME, "sfmux");
+	signal(SIGTERM, SIG_DFL);
+	signal(SIGINT, SIG_DFL);
+	sigset_t none;
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	/* the sandbox's memory limit must never pick the one way in */
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	if (fd >= 0 && write(fd, "-1000", 5) < 0) mux_log("oom_score_adj: %s", strerror(errno));
+	if (fd >= 0) close(fd);
+	fcntl(vport_fd, F_SETFL, fcntl(vport_fd, F_GETFL) | O_NONBLOCK);
+	fcntl(chan_sock[1], F_SETFL, O_NONBLOCK);
+	mux_loop();
+}
+
+static uint64_t mux_next; /* monotonic ns: no mux starts before (one a second at most) */
+
+static void start_mux(void)
+{
+	mux_next = now_ns() + 1000000000u;
+	pid_t pid = fork();
+	if (pid == 0) {
+		mux_child();
+		_exit(1);
+	}
+	if (pid > 0) mux_pid = pid;
+}
+
+/* Guest mode: PID 1, and so every handler and command, keeps only the
+ * container's AGENT_CAPS (bundle.py): AUDIT_WRITE, KILL, NET_BIND_SERVICE,
+ * SETGID, SETUID. Dropping needs no privilege, so without capabilities (tests
+ * as a user) this changes nothing. */
+static void drop_to_agent_caps(void)
+{
+	const uint64_t keep = 1ull << 29 | 1ull << 5 | 1ull << 10 | 1ull << 6 | 1ull << 7;
+	struct {
+		uint32_t version;
+		int pid;
+	} hdr = {0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+	struct {
+		uint32_t effective, permitted, inheritable;
+	} data[2];
+	prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+	if (syscall(SYS_capget, &hdr, data) < 0) return;
+	/* the bounding set first: that needs CAP_SETPCAP, which goes next */
+	for (int cap = 0; cap < 64 && prctl(PR_CAPBSET_READ, cap, 0, 0, 0) >= 0; cap++)
+		if (!(keep >> cap & 1)) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+	prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+	for (int i = 0; i < 2; i++) {
+		uint32_t m = (uint32_t)(keep >> (32 * i));
+		data[i].effective &= m;
+		data[i].permitted &= m;
+		data[i].inheritable &= m;
+	}
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		fprintf(stderr, "sandfleet-agent: dropping capabilities: %s\n", strerror(errno));
+}
+
 /* ------------------------------------------------------------------ PID 1 */
 
 /* Everything below us goes: handlers, supervisors and all they started. */
@@ -2033,6 +2588,142 @@ static int listen_on(const char *path)
 	return s;
 }
 
+/* ------------------------------------------------------------------ PID 1: early OOM killer */
+
+/* With --oom-events, PID 1 watches the memory pressure (PSI) of the cgroup
+ * that file belongs to. Past its memory limit a process can thrash for a
+ * minute under TCG before the kernel's OOM killer acts: limit reclaim keeps
+ * evicting the executables' page cache and they keep faulting it back in. As
+ * systemd-oomd and earlyoom do, we act first: when all of the cgroup's tasks
+ * were stalled on memory ("full") for PSI_FULL_PCT% of PSI_WINDOW_MS, the
+ * process with the largest resident set gets SIGKILL. Never PID 1 or the agent
+ * (real uid GUARD_UID: handlers, supervisors, the mux). One small read per
+ * tick; /proc is scanned only to pick whom to kill. */
+#define PSI_TICK_MS 250
+#define PSI_WINDOW_MS 2000
+#define PSI_FULL_PCT 60
+#define PSI_SAMPLES 16 /* a window's ticks and one more, with room for late ticks */
+#define NS_PER_MS 1000000ull
+
+static char psi_path[128], procs_path[128];
+static struct {
+	uint64_t t, full; /* monotonic ns; "full" stall total, us */
+} psi_s[PSI_SAMPLES];  /* oldest first */
+static int psi_n;
+static uint64_t psi_next; /* monotonic ns: the next sample is due */
+
+/* A small file's contents, NUL-terminated; bytes read or -1. */
+static ssize_t read_small(const char *path, char *buf, size_t cap)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) return -1;
+	ssize_t n = read(fd, buf, cap - 1);
+	close(fd);
+	if (n < 0) return -1;
+	buf[n] = 0;
+	return n;
+}
+
+/* The "full ... total=N" of memory.pressure (us stalled), or -1. */
+static long long psi_full(void)
+{
+	char buf[256];
+	if (read_small(psi_path, buf, sizeof buf) <= 0) return -1;
+	char *l = strstr(buf, "full "), *t = l ? strstr(l, "total=") : NULL;
+	return t ? strtoll(t + 6, NULL, 10) : -1;
+}
+
+/* Watches if `--oom-events PATH`'s directory has a readable memory.pressure. */
+static void psi_init(void)
+{
+	const char *slash = strrchr(oom_events, '/');
+	int dir = slash ? (int)(slash - oom_events) : 1;
+	const char *d = slash ? oom_events : ".";
+	if (snprintf(psi_path, sizeof psi_path, "%.*s/memory.pressure", dir, d) >= (int)sizeof psi_path ||
+	    snprintf(procs_path, sizeof procs_path, "%.*s/cgroup.procs", dir, d) >= (int)sizeof procs_path)
+		return;
+	psi_on = psi_full() >= 0;
+}
+
+/* Resident bytes of `pid` if it may be killed and has more than `than`, else 0. */
+static uint64_t victim_rss(int pid, uint64_t than)
+{
+	char p[48], buf[512];
+	if (pid <= 1 || pid == main_pid) return 0;
+	snprintf(p, sizeof p, "/proc/%d/statm", pid);
+	char *sp = read_small(p, buf, sizeof buf) > 0 ? strchr(buf, ' ') : NULL;
+	uint64_t rss = sp ? strtoull(sp + 1, NULL, 10) * (uint64_t)sysconf(_SC_PAGESIZE) : 0;
+	if (rss <= than) return 0;
+	snprintf(p, sizeof p, "/proc/%d/status", pid);
+	char *uid = read_small(p, buf, sizeof buf) > 0 ? strstr(buf, "\nUid:") : NULL;
+	if (!uid || strtoll(uid + 5, NULL, 10) == GUARD_UID) return 0;
+	return rss;
+}
+
+/* SIGKILLs the cgroup's process with the largest resident set (see above). */
+static void psi_kill(unsigned pct)
+{
+	char buf[512];
+	int fd = open(procs_path, O_RDONLY | O_CLOEXEC), pid = 0, best = 0;
+	if (fd < 0) return;
+	uint64_t best_rss = 0;
+	ssize_t n;
+	while ((n = read(fd, buf, sizeof buf)) > 0)
+		for (ssize_t i = 0; i < n; i++) {
+			if (buf[i] >= '0' && buf[i] <= '9') {
+				pid = pid * 10 + (buf[i] - '0');
+				continue;
+			}
+			uint64_t rss = victim_rss(pid, best_rss);
+			if (rss) best = pid, best_rss = rss;
+			pid = 0;
+		}
+	close(fd);
+	if (!best) return;
+	char comm[64] = "?", p[48];
+	snprintf(p, sizeof p, "/proc/%d/comm", best);
+	if (read_small(p, buf, sizeof buf) > 0) snprintf(comm, sizeof comm, "%.*s", (int)strcspn(buf, "\n"), buf);
+	/* counted first: the handler of the command must see it once the kill lands */
+	if (psi_kills) __atomic_add_fetch(psi_kills, 1, __ATOMIC_SEQ_CST);
+	if (kill(best, SIGKILL) < 0) {
+		if (psi_kills) __atomic_sub_fetch(psi_kills, 1, __ATOMIC_SEQ_CST);
+		return;
+	}
+	int k = snprintf(buf, sizeof buf,
+			 "sandfleet-agent: memory thrashing (%u%% full stall over %d s): "
+			 "killed pid %d (%s, %llu MiB resident)\n",
+			 pct, PSI_WINDOW_MS / 1000, best, comm, (unsigned long long)(best_rss >> 20));
+	ssize_t w = k > 0 ? write(2, buf, (size_t)k < sizeof buf ? (size_t)k : sizeof buf - 1) : 0;
+	(void)w; /* nobody to tell if the console is gone */
+}
+
+/* Takes a PSI sample when one is due and kills when the window shows thrashing.
+ * Returns the ns until the next sample: serve()'s longest sleep. */
+static uint64_t psi_tick(void)
+{
+	uint64_t now = now_ns();
+	if (now < psi_next && psi_next - now <= PSI_TICK_MS * NS_PER_MS) return psi_next - now;
+	psi_next = now + PSI_TICK_MS * NS_PER_MS;
+	long long full = psi_full();
+	if (full < 0) return PSI_TICK_MS * NS_PER_MS;
+	if (psi_n && (now < psi_s[psi_n - 1].t || (uint64_t)full < psi_s[psi_n - 1].full))
+		psi_n = 0; /* a clock or counter that went back (a restored snapshot?): start over */
+	if (psi_n == PSI_SAMPLES) memmove(psi_s, psi_s + 1, sizeof psi_s - sizeof *psi_s), psi_n--;
+	psi_s[psi_n].t = now;
+	psi_s[psi_n++].full = (uint64_t)full;
+	/* the window starts at the newest sample at least PSI_WINDOW_MS old */
+	int w = -1;
+	for (int i = 0; i < psi_n && now - psi_s[i].t >= PSI_WINDOW_MS * NS_PER_MS; i++) w = i;
+	if (w < 0) return PSI_TICK_MS * NS_PER_MS;
+	memmove(psi_s, psi_s + w, (size_t)(psi_n -= w) * sizeof *psi_s);
+	uint64_t span_us = (now - psi_s[0].t) / 1000, stalled = (uint64_t)full - psi_s[0].full;
+	if (stalled * 100 >= span_us * PSI_FULL_PCT) {
+		psi_kill((unsigned)(stalled * 100 / span_us));
+		psi_n = 0; /* the next kill needs a whole new window */
+	}
+	return PSI_TICK_MS * NS_PER_MS;
+}
+
 static void serve(int ls)
 {
 	static struct pollfd p[2 + MAX_DRAIN];
@@ -2041,9 +2732,24 @@ static void serve(int ls)
 	for (;;) {
 		if (got_chld) reap_kids();
 		if (got_term) return;
+		struct timespec ts, *tp = NULL;
+		if (vport_fd >= 0 && !mux_pid) {
+			uint64_t now = now_ns();
+			if (now >= mux_next) start_mux();
+			if (!mux_pid) { /* wait, or a mux that dies at once would spin */
+				uint64_t d = mux_next > now ? mux_next - now : 0;
+				ts = (struct timespec){(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+				tp = &ts;
+			}
+		}
+		if (psi_on) { /* the early OOM killer: a sample at least every PSI_TICK_MS */
+			uint64_t d = psi_tick();
+			if (!tp || d < (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec)
+				ts = (struct timespec){(time_t)(d / 1000000000u), (long)(d % 1000000000u)}, tp = &ts;
+		}
 		p[0] = (struct pollfd){.fd = ls, .events = POLLIN};
 		p[1] = (struct pollfd){.fd = handoff[0], .events = POLLIN};
-		if (ppoll(p, 2 + (nfds_t)nd, NULL, &wait_mask) < 0) continue;
+		if (ppoll(p, 2 + (nfds_t)nd, tp, &wait_mask) < 0) continue;
 		for (int i = 2; i < 2 + nd; i++) {
 			if (!p[i].revents) continue;
 			ssize_t r = read(p[i].fd, sink, sizeof sink);
@@ -2052,28 +2758,20 @@ static void serve(int ls)
 			p[i--] = p[1 + nd--];
 		}
 		if (p[1].revents & POLLIN) {
-			char cbuf[CMSG_SPACE(sizeof(int))];
-			uint8_t dummy;
-			struct iovec iov = {.iov_base = &dummy, .iov_len = 1};
-			struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
-					    .msg_controllen = sizeof cbuf};
-			struct cmsghdr *cm;
-			int fd;
-			if (recvmsg(handoff[0], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) > 0 &&
-			    (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS) {
-				memcpy(&fd, CMSG_DATA(cm), sizeof fd);
-				if (nd < MAX_DRAIN) p[2 + nd++] = (struct pollfd){.fd = fd, .events = POLLIN};
-				else close(fd); /* too many: the job gets SIGPIPE if it writes */
-			}
+			int fd = recv_fd(handoff[0]);
+			if (fd >= 0 && nd < MAX_DRAIN) p[2 + nd++] = (struct pollfd){.fd = fd, .events = POLLIN};
+			else if (fd >= 0) close(fd); /* too many: the job gets SIGPIPE if it writes */
 		}
 		if (!(p[0].revents & POLLIN)) continue;
-		int c = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+		/* a connection: accepted, or in guest mode a channel's end from the mux */
+		int c = vport_fd >= 0 ? recv_fd(ls) : accept4(ls, NULL, NULL, SOCK_CLOEXEC);
 		if (c < 0) continue;
 		pid_t pid = fork();
 		if (pid == 0) {
 			close(ls);
 			close(handoff[0]);
 			for (int i = 2; i < 2 + nd; i++) close(p[i].fd);
+			if (vport_fd >= 0) close(vport_fd), close(chan_sock[1]);
 			signal(SIGTERM, SIG_DFL);
 			signal(SIGINT, SIG_DFL);
 			handle(c);
@@ -2098,26 +2796,39 @@ static void serve(int ls)
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: sandfleet-agent (--socket PATH | --listen-fd N) [--workdir DIR] [--run-dir DIR]\n");
+	fprintf(stderr, "usage: sandfleet-agent (--socket PATH | --listen-fd N | --vport-fd N | --vport PATH)\n"
+			"                       [--workdir DIR] [--run-dir DIR] [--oom-events PATH]\n");
 	exit(2);
 }
 
 int main(int argc, char **argv)
 {
-	const char *workdir = NULL, *rundir_arg = NULL;
+	const char *workdir = NULL, *rundir_arg = NULL, *vport_path = NULL;
 	int ls = -1;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock_path = argv[++i];
 		/* a listening socket made by the node (e.g. runc --preserve-fds):
 		 * then no socket file needs to be visible inside the sandbox */
 		else if (!strcmp(argv[i], "--listen-fd") && i + 1 < argc) ls = atoi(argv[++i]);
+		/* guest mode: the virtio-serial port, opened by init or by us */
+		else if (!strcmp(argv[i], "--vport-fd") && i + 1 < argc) vport_fd = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--vport") && i + 1 < argc) vport_path = argv[++i];
+		else if (!strcmp(argv[i], "--oom-events") && i + 1 < argc) oom_events = argv[++i];
 		else if (!strcmp(argv[i], "--workdir") && i + 1 < argc) workdir = argv[++i];
 		/* where supervisors of spawned processes listen (default: see below) */
 		else if (!strcmp(argv[i], "--run-dir") && i + 1 < argc) rundir_arg = argv[++i];
 		else if (!strcmp(argv[i], "--version")) return puts("sandfleet-agent " VERSION) < 0;
 		else usage();
 	}
-	if ((sock_path != NULL) == (ls >= 0)) usage(); /* exactly one of the two */
+	if ((sock_path != NULL) + (ls >= 0) + (vport_fd >= 0) + (vport_path != NULL) != 1) usage();
+	if (vport_path && (vport_fd = open(vport_path, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+		fprintf(stderr, "sandfleet-agent: --vport %s: %s\n", vport_path, strerror(errno));
+		return 2;
+	}
+	if (vport_fd >= 0 && fcntl(vport_fd, F_SETFD, FD_CLOEXEC) < 0) {
+		fprintf(stderr, "sandfleet-agent: --vport-fd %d: %s\n", vport_fd, strerror(errno));
+		return 2;
+	}
 	/* As PID 1 of a bare box, 0-2 may be closed; keep pipes off those numbers. */
 	for (int fd = 0; fd < 3; fd++)
 		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0) break;
@@ -2148,7 +2859,8 @@ int main(int argc, char **argv)
 		make_run_dir(own);
 	}
 	void *shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	if (shared != MAP_FAILED) spawn_ctr = shared;
+	if (shared != MAP_FAILED) spawn_ctr = shared, psi_kills = spawn_ctr + 1;
+	if (oom_events) psi_init();
 
 	struct sigaction sa = {.sa_handler = on_signal};
 	sigemptyset(&sa.sa_mask);
@@ -2171,7 +2883,14 @@ int main(int argc, char **argv)
 
 	if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, handoff) < 0) return 2;
 	fcntl(handoff[0], F_SETFL, O_NONBLOCK);
-	if (ls >= 0) {
+	if (vport_fd >= 0) {
+		/* channels come from the mux; a datagram per fd, never merged */
+		if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, chan_sock) < 0) return 2;
+		fcntl(chan_sock[0], F_SETFL, O_NONBLOCK);
+		ls = chan_sock[0];
+		start_mux();
+		drop_to_agent_caps();
+	} else if (ls >= 0) {
 		if (fcntl(ls, F_SETFD, FD_CLOEXEC) < 0 || fcntl(ls, F_SETFL, O_NONBLOCK) < 0) {
 			fprintf(stderr, "sandfleet-agent: --listen-fd %d: %s\n", ls, strerror(errno));
 			return 2;

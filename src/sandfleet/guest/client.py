@@ -32,7 +32,7 @@ from sandfleet.wire.models import (
     SpawnRequest,
 )
 
-__all__ = ["AgentClient", "OutputCallback"]
+__all__ = ["AgentClient", "OutputCallback", "open_socket_file"]
 
 OutputCallback = Callable[[bytes], Awaitable[None] | None]
 """Receives output chunks as they arrive; may be a plain or an async function."""
@@ -72,7 +72,9 @@ class _Conn:
             return head[4:5], await self.reader.readexactly(n) if n else b""
 
 
-async def _open_socket_file(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_socket_file(
+    path: str, limit: int = 1 << 20
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Connect to the Unix socket *file* at ``path``, never through a symlink.
 
     The connection goes through ``/proc/self/fd/N`` of an ``O_PATH|O_NOFOLLOW``
@@ -83,7 +85,7 @@ async def _open_socket_file(path: str) -> tuple[asyncio.StreamReader, asyncio.St
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"{path} is not a socket")
-        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=1 << 20)
+        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=limit)
     finally:
         os.close(fd)
 
@@ -118,7 +120,7 @@ class AgentClient:
     @asynccontextmanager
     async def _connect(self, op: str) -> AsyncIterator[_Conn]:
         try:
-            reader, writer = await _open_socket_file(self.socket_path)
+            reader, writer = await open_socket_file(self.socket_path)
         except FileNotFoundError as exc:
             raise Unavailable(
                 f"agent socket {self.socket_path} does not exist: the agent is not running "
@@ -198,8 +200,9 @@ class AgentClient:
         With ``keep_output=False`` the result carries no stdout/stderr: a caller
         streaming through the callbacks need not hold the whole output too.
 
-        ``status`` is ``exited``, ``signaled`` or ``timeout`` (never ``oom``: the
-        node decides that from cgroup counters). Output chunks go to the
+        ``status`` is ``exited``, ``signaled`` or ``timeout``, or ``oom`` when the
+        agent runs with ``--oom-events`` (a VM; elsewhere the node decides that
+        from cgroup counters). Output chunks go to the
         callbacks as they arrive; past ``max_output_bytes / 2`` the middle of a
         stream is dropped and the tail arrives just before the command's end.
 

@@ -1,8 +1,9 @@
 """Wire protocol between the node and the in-sandbox agent (``agent.c``).
 
-Transport: a Unix stream socket (a virtio-serial port later); one request per
-connection; the agent forks a handler per connection, so calls never wait on
-each other.
+Transport: a Unix stream socket; one request per connection; the agent forks
+a handler per connection, so calls never wait on each other. In a VM the
+connections are channels of the mux protocol on one virtio-serial port (see
+*Guest mode* at the end); each channel carries exactly what a connection does.
 
 Frame: ``u32 big-endian payload length | u8 type | payload`` (payload at most
 4 MiB). Integers are big-endian. A request is one *op frame* whose payload is a
@@ -17,8 +18,12 @@ Op frames (node -> agent) and their fields:
   output cap per stream (u64), ``u`` user, ``g`` kill grace ms (u64); then
   stdin as ``D``... ``Z``. Answer: ``1`` stdout / ``2`` stderr frames while
   the command runs, then ``X``:
-  ``u8 status (0 exited, 1 signaled, 2 timeout) | i32 exit code | i32 signal |
+  ``u8 status (0 exited, 1 signaled, 2 timeout, 3 oom) | i32 exit code | i32 signal |
   u64 stdout dropped | u64 stderr dropped | u64 duration ns``.
+  Status 3 only with ``--oom-events PATH``: the ``oom_kill N`` count in PATH
+  (cgroup v2 ``memory.events``, v1 ``memory.oom_control``) grew while the
+  command ran and the command failed (signaled, or a non-zero exit such as a
+  shell's 137); it decodes as ``oom`` with no exit code and signal 9.
   Output cap: the first ceil(cap/2) bytes of a stream are streamed live, the
   last floor(cap/2) are kept in a ring and sent just before ``X``; the middle
   is dropped and counted. Concatenating the ``1`` frames gives head + tail.
@@ -95,6 +100,52 @@ u32 mode (permission bits) | u64 mtime ns | name bytes``.
 naming the path``. After an error the agent still reads and discards the
 request's data frames up to ``Z``, so a sender never sees a reset.
 
+Guest mode (``--vport-fd N`` or ``--vport PATH``, in a VM). PID 1 forks a
+*mux* process (before PID 1 drops every capability outside the container's
+AGENT_CAPS and sets no_new_privs; oom_score_adj -1000; restarted by PID 1 at
+most once a second if it dies, then with PID 1's reduced capabilities, so
+its hellos no longer set the clock or hostname). The mux speaks the protocol
+below on the port;
+for each channel it makes a socketpair and passes one end to PID 1
+(SCM_RIGHTS), which serves it exactly like an accepted connection. The host
+side is :mod:`sandfleet.backends.vm.mux`.
+
+Mux frame: ``u8 type | u32 channel | u32 length | payload`` (big-endian,
+payload at most 64 KiB).
+
+- ``S`` host -> guest, channel 0, payload the 16 bytes ``sandfleet-mux-v1``:
+  a session starts. The guest drops every channel. Out of sync, the guest
+  skips input up to the next exact S frame.
+- ``H`` host -> guest: ``u64 realtime ns | u16 hostname length (<= 64) |
+  hostname | 32 bytes entropy``. The guest drops every channel, sets
+  CLOCK_REALTIME, the hostname, adds the entropy (RNDADDENTROPY, 256 bits,
+  then RNDRESEEDCRNG) and answers ``H`` with ``u32 version`` (1). Steps it
+  lacks the capabilities for are skipped (logged once on stderr).
+- ``O`` open channel c (host only; ids never reused within a session).
+  The guest answers ``C`` when it cannot (over 256 channels, no memory).
+- ``D`` data; ``A`` (``u32`` bytes) acknowledges data delivered to the local
+  end. Per channel and direction at most 256 KiB may be unacknowledged, so a
+  slow reader stalls only its own channel.
+- ``F`` the sender sends no more on c (the receiver half-closes its local
+  end once all data is delivered). A channel is gone when both sent ``F``.
+- ``C`` abort c: the local end is closed at once; no answer.
+- ``Q`` host -> guest: the guest drops every channel, calls sync() and
+  answers ``Q``. Sent before the VM is saved; no channel is open across it.
+
+Sessions. The host starts every session (a new chardev connection, or after
+reading an invalid frame) with 64 KiB + 9 zero bytes, ``S`` and ``H``: the
+zeros complete whatever frame the guest had half-read, and the zero header
+that follows is invalid, so the guest drops everything and looks for ``S``.
+The host ignores everything up to the exact ``H`` answer
+(``48 00000000 00000004 00000001``). A new mux process (the first one, or one
+PID 1 restarted) sends the same zeros and starts out of sync, and so does a
+guest that reads an invalid frame other than zeros: a host mid-session then
+reads an invalid frame itself and starts a new session. An invalid frame is
+an unknown type, a length over 64 KiB, or a malformed ``S``.
+When the guest polls ``POLLHUP`` (or reads EOF) on the port, the host side is
+gone: it drops every channel and all buffered input and output and checks the
+port again every 50 ms.
+
 This module only encodes and decodes; it does no I/O.
 """
 
@@ -161,7 +212,7 @@ _HEADER = struct.Struct(">IB")
 _RESULT = struct.Struct(">BiiQQQ")
 _ENTRY = struct.Struct(">BQIQ")
 _TYPES = ("file", "dir", "symlink", "other")
-_STATUS: tuple[ExecStatus, ...] = ("exited", "signaled", "timeout")
+_STATUS: tuple[ExecStatus, ...] = ("exited", "signaled", "timeout", "oom")
 _STATES: tuple[ProcessState, ...] = ("running", "exited", "signaled", "killed", "timeout")
 _OUTPUT = struct.Struct(">QQQQB")
 _STREAMS = {"stdout": 1, "stderr": 2}
@@ -337,7 +388,8 @@ def decode_result(payload: bytes, stdout: bytes, stderr: bytes) -> ExecResult:
     return ExecResult(
         status=st,
         exit_code=code if st == "exited" else None,
-        signal=sig if st == "signaled" else None,
+        # oom: like a timeout, never a code that could pass for the command's own
+        signal=sig if st == "signaled" else 9 if st == "oom" else None,
         stdout=stdout,
         stderr=stderr,
         stdout_dropped=out_drop,

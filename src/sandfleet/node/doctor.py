@@ -122,6 +122,21 @@ def _kvm() -> Check:
     )
 
 
+def _vm_accel() -> Check:
+    """Boots the VM guest under KVM (once per host boot, cached) or says why TCG."""
+    from sandfleet.backends.vm.accel import probe_accel
+    from sandfleet.backends.vm.guest import guest_artifacts
+    from sandfleet.wire.errors import SandfleetError
+
+    try:
+        info = probe_accel(guest_artifacts(log=lambda _: None))
+    except SandfleetError as exc:
+        return Check("vm acceleration", False, f"not probed: {exc}")
+    if info.name == "kvm":
+        return Check("vm acceleration", True, f"kvm ({info.reason})")
+    return Check("vm acceleration", True, f"tcg (software emulation): {info.reason}")
+
+
 def run_checks() -> list[Check]:
     """Every probe, in display order."""
     fs = _filesystems()
@@ -147,6 +162,7 @@ def run_checks() -> list[Check]:
             "/dev/fuse and fuse filesystem" if Path("/dev/fuse").exists() else "/dev/fuse missing",
         ),
         _kvm(),
+        _vm_accel(),
         Check(
             "vhost-vsock",
             Path("/dev/vhost-vsock").exists(),
@@ -188,11 +204,12 @@ def kinds_offered(checks: list[Check]) -> dict[str, str]:
         "libfuse3 (on-demand layers)",
     ]
     missing = [n for n in container_needs if not ok.get(n)]
-    vm_note = (
-        "not built in this release"
-        + ("; qemu present" if ok.get("qemu") else "; qemu missing")
-        + ("; KVM creates VMs" if ok.get("KVM") else "; no KVM: TCG emulation")
-    )
+    accel = next((c.detail for c in checks if c.name == "vm acceleration"), "")
+    vm_missing = [n for n in ("root", "cgroups", "qemu", "vm acceleration") if not ok.get(n)]
+    if vm_missing:
+        vm_note = f"unavailable: {', '.join(vm_missing)} failed"
+    else:
+        vm_note = "available, " + ("KVM" if accel.startswith("kvm") else "TCG software emulation")
     container = "available" if not missing else f"unavailable: {', '.join(missing)} failed"
     return {
         "container": container,

@@ -9,6 +9,7 @@ those, or a mount, holds it).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -16,10 +17,11 @@ from pathlib import Path
 
 from sandfleet.node.mounts import mounts_under
 
-__all__ = ["CGROUP_PARENT", "leftovers"]
+__all__ = ["CGROUP_PARENTS", "leftovers"]
 
-#: Every sandbox's cgroup lives below this name in each hierarchy.
-CGROUP_PARENT = "sandfleet"
+#: Every sandbox's cgroup lives below one of these names in each hierarchy:
+#: containers' (made by runc) and VMs' QEMU processes'.
+CGROUP_PARENTS = ("sandfleet", "sandfleet-vm")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -27,8 +29,8 @@ def _cgroup_dirs() -> list[Path]:
     found: list[Path] = []
     if not _CGROUP_ROOT.is_dir():
         return found
-    candidates = [_CGROUP_ROOT / CGROUP_PARENT]
-    candidates += [p / CGROUP_PARENT for p in _CGROUP_ROOT.iterdir() if p.is_dir()]
+    candidates = [_CGROUP_ROOT / c for c in CGROUP_PARENTS]
+    candidates += [p / c for p in _CGROUP_ROOT.iterdir() if p.is_dir() for c in CGROUP_PARENTS]
     for parent in candidates:
         if parent.is_dir():
             found += [p for p in parent.iterdir() if p.is_dir()]
@@ -51,7 +53,7 @@ def _box_pids(node_ids: list[str]) -> list[int]:
             continue
         for line in groups.splitlines():
             path = line.rpartition(":")[2]
-            boxed = any(f"/{CGROUP_PARENT}/{p}-" in path for p in ("sb", "fw"))
+            boxed = any(f"/{c}/{p}-" in path for c in CGROUP_PARENTS for p in ("sb", "fw"))
             if boxed and any(path.endswith(f"-{n}") for n in node_ids):
                 pids.append(int(entry.name))
                 break
@@ -97,6 +99,7 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     from sandfleet.backends.container.disk import loop_devices_under
 
     found += [f"loop device {dev}" for dev in loop_devices_under(state_dir) if mine(str(dev))]
+    found += [f"QEMU process {pid} ({name})" for pid, name in _qemu_pids(state_dir) if mine(name)]
     if only is None:
         found += [f"process {pid} in a sandbox's cgroup" for pid in _box_pids(node_ids)]
         found += [f"on-demand daemon {pid}" for pid in _daemon_pids(state_dir)]
@@ -117,3 +120,23 @@ def _daemon_pids(state_dir: Path) -> list[int]:
         if b"sandfleet.ondemand" in argv and any(a.startswith(prefix) for a in argv):
             pids.append(int(entry.name))
     return pids
+
+
+def _qemu_pids(state_dir: Path) -> list[tuple[int, str]]:
+    """QEMU processes of a VM under ``state_dir``, with the VM's directory name."""
+    found = []
+    needle = str(state_dir.resolve()).encode() + b"/"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not os.path.basename(argv[0]).startswith(b"qemu-system"):
+            continue
+        for flag, arg in itertools.pairwise(argv):
+            if flag == b"-pidfile" and arg.startswith(needle):
+                name = os.path.basename(os.path.dirname(arg))
+                found.append((int(entry.name), name.decode(errors="replace")))
+    return found

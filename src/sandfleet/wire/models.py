@@ -70,7 +70,7 @@ Kind = Literal["fncall", "container", "microvm", "vm"]
 KINDS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
 #: Kinds of sandbox this release can create; the others are rejected with a clear error.
 #: (``fncall`` has no sandboxes to create: its calls go to ``run``.)
-BUILT_KINDS: tuple[str, ...] = ("container",)
+BUILT_KINDS: tuple[str, ...] = ("container", "microvm", "vm")
 
 Language = Literal["python", "bash", "c", "cpp"]
 LANGUAGES: tuple[str, ...] = ("python", "bash", "c", "cpp")

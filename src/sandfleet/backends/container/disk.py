@@ -41,7 +41,7 @@ from pathlib import Path
 from sandfleet.node.mounts import MS_NODEV, MS_NOSUID, mount
 from sandfleet.wire.errors import FailedPrecondition, Internal
 
-__all__ = ["DISK_MIN_MB", "DiskImages", "loop_devices_under"]
+__all__ = ["DISK_MIN_MB", "DiskImages", "loop_devices_under", "sparse_copy"]
 
 #: The smallest writable layer: ext4 needs a few hundred KiB of metadata.
 DISK_MIN_MB = 4
@@ -124,7 +124,7 @@ def loop_devices_under(prefix: Path) -> list[str]:
     return found
 
 
-def _sparse_copy(src: Path, dst: Path, size: int) -> None:
+def sparse_copy(src: Path, dst: Path, size: int) -> None:
     """Copy the data extents of ``src`` into a new sparse file ``dst`` of ``size`` bytes."""
     sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -216,7 +216,7 @@ class DiskImages:
         image = bundle / "disk.img"
         point = bundle / "disk"
         point.mkdir(exist_ok=True)
-        _sparse_copy(self.template(size_mb), image, size_mb << 20)
+        sparse_copy(self.template(size_mb), image, size_mb << 20)
         dev, lfd = attach_loop(image)
         try:
             mount(dev, point, "ext4", MS_NODEV | MS_NOSUID, _MOUNT_OPTS)

@@ -1,0 +1,1 @@
+"""The VM backends (``microvm``, ``vm``): QEMU guests booting sandfleet's own initramfs."""
