@@ -9,6 +9,7 @@ sits in a host cgroup with no NIC. Real QEMU (TCG here), real guest kernel.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -165,3 +166,33 @@ def test_a_snapshot_of_a_vm_and_its_forks(client: Client) -> None:
     paused_ref = sb.snapshot()  # read from its disk as it is; it stays paused
     assert client.get(sb.id).info.state == "paused"
     assert client.create(kind="microvm", image=paused_ref).files.read("/data/x") == b"x\n"
+
+
+@pytest.mark.parametrize("kind", ["microvm", "vm"])
+def test_an_unchanged_sandbox_snapshots_and_forks(client: Client, kind: str) -> None:
+    """A diff layer with no file data (nothing written) still starts a VM."""
+    sb = client.create(kind=kind, image=BUSYBOX_IMAGE, memory_mb=96)
+    forks = sb.fork(2)
+    assert [f.exec("echo forked").stdout for f in forks] == [b"forked\n"] * 2
+
+
+def test_a_guest_that_cannot_boot_fails_clearly_and_leaves_nothing(
+    up: LocalDeployment, client: Client, tmp_path: Path
+) -> None:
+    """A layer the guest cannot mount: a non-retryable error with the console's words."""
+    from sandfleet.images.build import build_from_directory
+    from sandfleet.images.store import ImageStore
+
+    # An image of its own whose metadata is then zeroed: no EROFS superblock.
+    store = ImageStore(up.images_dir)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "unique").write_bytes(os.urandom(64))
+    manifest = build_from_directory(store, "test/broken:1", tree)
+    meta = store.meta_path(store.layer_record(manifest.layers[0].digest))
+    meta.chmod(0o644)
+    meta.write_bytes(bytes(meta.stat().st_size))
+    with pytest.raises(errors.Internal, match="sandfleet-init: mount layer 0"):
+        client.create(kind="microvm", image="test/broken:1", memory_mb=64)
+    assert not list(up.state_dir.glob("**/templates/.*.tmp"))
+    assert not client.list()

@@ -76,6 +76,8 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     found: list[str] = []
     for sandboxes in state_dir.glob("**/sandboxes"):
         found += [f"state dir {p}" for p in sandboxes.iterdir() if mine(p.name)]
+    if only is None:  # a template half made (failed or interrupted) is removed, never kept
+        found += [f"template being made {p}" for p in state_dir.glob("**/templates/.*.tmp")]
     for point in mounts_under(state_dir):
         if "/layers/" not in point and mine(point):
             found.append(f"mount {point}")

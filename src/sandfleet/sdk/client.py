@@ -193,7 +193,8 @@ class AsyncClient:
         cores, ``memory_mb`` in MiB, ``pids_limit`` processes, ``ttl_s`` the
         hard lifetime in seconds (None: no TTL); ``idle_ttl_s`` reclaims it
         after that many seconds without a call (None: never; a paused sandbox
-        keeps counting); both may be changed later with
+        is waiting for its trainer, not idle: its idle clock stops until it
+        resumes, while ``ttl_s`` keeps counting); both may be changed later with
         :meth:`AsyncSandbox.set_lifetime`. ``labels`` tag it for :meth:`list`
         and group :meth:`pause`/:meth:`resume`; ``env`` is given to every exec.
 

@@ -46,9 +46,10 @@ from sandfleet.backends.container.cgroups import detect_layout
 from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages, sparse_copy
 from sandfleet.backends.vm.accel import AccelInfo, tcg_kernel_args
 from sandfleet.backends.vm.cgroup import VmCgroup
+from sandfleet.backends.vm.driver import Disk, Machine, VmConfig, VmProcess
 from sandfleet.backends.vm.guest import GuestArtifacts
-from sandfleet.backends.vm.mux import AgentMux, Hello, bind_private
-from sandfleet.backends.vm.qemu import Disk, Machine, VmConfig, Vmm, qemu_argv
+from sandfleet.backends.vm.mux import AgentMux, Hello
+from sandfleet.backends.vm.qemu import QemuVm, launch
 from sandfleet.backends.vm.snapshot import pack_disk_upper
 from sandfleet.guest.client import AgentClient
 from sandfleet.wire.errors import (
@@ -112,9 +113,8 @@ class _Box:
     id: str
     dir: Path
     record: _Record | None = None
-    vmm: Vmm | None = None
+    vmm: VmProcess | None = None
     mux: AgentMux | None = None
-    process: asyncio.subprocess.Process | None = None
     handle: BoxHandle | None = None
 
 
@@ -282,9 +282,23 @@ class VmBackend:
         disks = []
         for i, layer in enumerate(spec.layers):
             disks.append(Disk(layer.meta, f"sfl{i}m"))
-            if layer.data is not None:
-                disks.append(Disk(layer.data, f"sfl{i}d"))
+            data = layer.data
+            if (data is None or data.stat().st_size == 0) and _erofs_extra_devices(layer.meta):
+                # A split layer without file data (an unchanged snapshot): the guest's
+                # EROFS (6.1) still wants the device its superblock names, and QEMU
+                # refuses a disk of 0 sectors.
+                data = self._empty_blob()
+            if data is not None:
+                disks.append(Disk(data, f"sfl{i}d"))
         return disks
+
+    def _empty_blob(self) -> Path:
+        path = self.state_dir / "empty.blob"
+        if not path.exists():
+            tmp = path.with_name(f".empty.blob.{os.getpid()}")
+            tmp.write_bytes(bytes(4096))
+            os.replace(tmp, path)
+        return path
 
     def _cmdline(self, spec: SandboxSpec) -> str:
         args = [
@@ -355,13 +369,11 @@ class VmBackend:
         self,
         box_dir: Path,
         record: _Record,
-        fds: tuple[int, int],
         *,
         memory_file: Path | None,
         shared: bool,
         incoming: bool,
     ) -> VmConfig:
-        agent_fd, qmp_fd = fds
         return VmConfig(
             machine=record.machine,
             accel="kvm" if record.accel == "kvm" else "tcg",
@@ -371,10 +383,7 @@ class VmBackend:
             initramfs=self.artifacts.initramfs,
             cmdline=record.cmdline,
             disks=record.disk_list(),
-            agent_fd=agent_fd,
-            qmp_fd=qmp_fd,
-            console=box_dir / "console.log",
-            pidfile=box_dir / "pid",
+            run_dir=box_dir,
             memory_file=memory_file,
             memory_shared=shared,
             incoming=incoming,
@@ -389,97 +398,74 @@ class VmBackend:
         resume_from: Path | None = None,
         template_build: bool = False,
     ) -> None:
-        """Start QEMU for ``box`` (boot, template restore, or resume of a pause)
-        and connect the agent mux; returns once the guest's agent answered."""
+        """Start the VM of ``box`` (boot, template restore, or resume of a pause)
+        in its host cgroup and connect the agent mux; returns once the guest's
+        agent answered."""
         assert box.record is not None
         rec = box.record
-        with contextlib.ExitStack() as sockets:
-            listeners = [bind_private(box.dir / name) for name in ("serial.sock", "qmp.sock")]
-            for sock in listeners:
-                sockets.callback(sock.close)  # QEMU holds its own copies
-            fds = (listeners[0].fileno(), listeners[1].fileno())
-            if restore_from is not None:
-                cfg = self._config(
-                    box.dir, rec, fds, memory_file=restore_from / "mem", shared=False, incoming=True
-                )
-            elif resume_from is not None:
-                cfg = self._config(box.dir, rec, fds, memory_file=None, shared=False, incoming=True)
-            else:
-                mem = box.dir / "mem" if template_build else None
-                cfg = self._config(
-                    box.dir, rec, fds, memory_file=mem, shared=template_build, incoming=False
-                )
-            await self._spawn(box, cpu, cfg)
-        await self._connect(box, cfg, restore_from=restore_from, resume_from=resume_from)
-
-    async def _spawn(self, box: _Box, cpu: float, cfg: VmConfig) -> None:
-        """Start QEMU for ``cfg`` in the box's host cgroup."""
-        assert box.record is not None
-        rec = box.record
-        cgroup = VmCgroup(self.cgroups, box.id)
+        if restore_from is not None:
+            cfg = self._config(
+                box.dir, rec, memory_file=restore_from / "mem", shared=False, incoming=True
+            )
+        elif resume_from is not None:
+            cfg = self._config(box.dir, rec, memory_file=None, shared=False, incoming=True)
+        else:
+            mem = box.dir / "mem" if template_build else None
+            cfg = self._config(box.dir, rec, memory_file=mem, shared=template_build, incoming=False)
         procs = await asyncio.to_thread(
-            cgroup.create,
+            VmCgroup(self.cgroups, box.id).create,
             (rec.memory_mb + QEMU_OVERHEAD_MB) << 20,
             cpu,
             QEMU_PIDS,
         )
-        # The shell joins the cgroup before QEMU exists, so all of QEMU is charged there.
-        join = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done'
-        argv = ["/bin/sh", "-c", join + '; shift; exec "$@"', "sh", *map(str, procs), "--"]
-        argv += qemu_argv(self.qemu, cfg)
-        with open(box.dir / "qemu.log", "ab") as log:
-            box.process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                pass_fds=(cfg.agent_fd, cfg.qmp_fd),
-            )
-        box.vmm = Vmm(box.process.pid, box.dir / "qmp.sock", box.process)
-
-    async def _connect(
-        self, box: _Box, cfg: VmConfig, *, restore_from: Path | None, resume_from: Path | None
-    ) -> None:
-        """Load the saved state if any, then wait for the guest's agent."""
-        assert box.vmm is not None
+        vmm = box.vmm = await launch(self.qemu, cfg, cgroup_procs=procs)
         deadline = time.monotonic() + self.boot_timeout_s
-        if cfg.incoming:
-            await self._exited_or(box, box.vmm.connect())
-            await box.vmm.set_capabilities(x_ignore_shared=restore_from is not None)
-            state = restore_from / "state" if restore_from is not None else resume_from
-            assert state is not None
-            await self._exited_or(box, box.vmm.migrate_in(state, self.boot_timeout_s))
-            await box.vmm.resume()
+        state = restore_from / "state" if restore_from is not None else resume_from
+        if state is not None:
+            restoring = vmm.restore(
+                state, template=restore_from is not None, timeout_s=self.boot_timeout_s
+            )
+            await self._exited_or(box, restoring)
         box.mux = AgentMux()
         left = max(1.0, deadline - time.monotonic())
+        hello = Hello.now(box.id)
         await self._exited_or(
             box,
-            box.mux.start(box.dir / "serial.sock", box.dir / "agent.sock", hello=Hello.now(box.id),
-                          timeout_s=left),
-        )  # fmt: skip
+            box.mux.start(vmm.agent_socket, box.dir / "agent.sock", hello=hello, timeout_s=left),
+        )
         await self._exited_or(box, AgentClient(box.dir / "agent.sock").ping())
 
     async def _exited_or(self, box: _Box, step: Any) -> Any:
-        """Await ``step`` unless QEMU exits first (then Internal with its log)."""
-        assert box.process is not None
+        """Await ``step`` unless QEMU exits first, or the step fails because it did:
+        then Internal with QEMU's log and the guest console's tail (init says there
+        what it could not do), never a retryable error."""
+        assert box.vmm is not None
         task = asyncio.ensure_future(step)
-        exited = asyncio.ensure_future(box.process.wait())
+        exited = asyncio.ensure_future(box.vmm.wait())
         try:
             done, _ = await asyncio.wait({task, exited}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             task.cancel()
             exited.cancel()
             raise
-        if task in done:
+        if task in done and (task.cancelled() or task.exception() is None):
             exited.cancel()
             return task.result()
+        if task in done:
+            # A failed step (e.g. the port closed): give QEMU a moment to show it exited.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), 2.0)
+            if not exited.done():
+                exited.cancel()
+                return task.result()  # QEMU runs on: the step's own error
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+        console = _tail(box.dir / "console.log", 800)
         raise Internal(
-            f"QEMU exited with status {box.process.returncode} while starting {box.id}"
+            f"QEMU exited with status {exited.result()} while starting {box.id}"
             f"{_log_hint(box.dir / 'qemu.log')}"
+            + (f"\n--- guest console tail ---\n{console}" if console else "")
         )
 
     # ------------------------------------------------------------------ templates
@@ -515,10 +501,12 @@ class VmBackend:
                 await self._launch(box, float(vcpus), template_build=True)
                 assert box.mux is not None and box.vmm is not None
                 await box.mux.quiesce(timeout_s=30)
-                await box.vmm.set_capabilities(x_ignore_shared=True)
-                await box.vmm.migrate_out(work / "state", timeout_s=120)
-            finally:
+                await box.vmm.save(work / "state", template=True, timeout_s=120)
+            except BaseException:
                 await self._stop_vm(box)
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                raise
+            await self._stop_vm(box)
             for name in ("serial.sock", "qmp.sock", "agent.sock", "pid", "vm.json"):
                 (work / name).unlink(missing_ok=True)
             os.replace(work, final)
@@ -562,13 +550,10 @@ class VmBackend:
             await box.mux.close()
             box.mux = None
         if box.vmm is None:
-            pid = _read_pid(box.dir / "pid")
-            if pid is not None and _is_our_qemu(pid, box.dir):
-                box.vmm = Vmm(pid, box.dir / "qmp.sock")
+            box.vmm = QemuVm.adopt(box.dir)
         if box.vmm is not None:
             await box.vmm.kill()
             box.vmm = None
-        box.process = None
         stuck = await asyncio.to_thread(VmCgroup(self.cgroups, box.id).remove)
         return [f"cgroup {d} busy" for d in stuck]
 
@@ -609,8 +594,7 @@ class VmBackend:
             await self._quiesce(box)
             state = box.dir / "paused.state"
             try:
-                await box.vmm.set_capabilities(x_ignore_shared=False)
-                await box.vmm.migrate_out(state, timeout_s=300)
+                await box.vmm.save(state, template=False, timeout_s=300)
             except BaseException:
                 state.unlink(missing_ok=True)
                 with contextlib.suppress(SandfleetError):
@@ -686,7 +670,7 @@ class VmBackend:
                 assert box.mux is not None and box.vmm is not None
                 await self._quiesce(box)
                 try:
-                    await box.vmm.command("stop")
+                    await box.vmm.stop_vcpus()
                     try:
                         await _settled(pack_disk_upper, box.dir / "disk.img", meta_file,
                                        exclude_regex, blob_file)  # fmt: skip
@@ -740,13 +724,12 @@ class VmBackend:
                 if box.record.paused:
                     adopted = True
                 else:
-                    pid = _read_pid(box_dir / "pid")
-                    if pid is not None and _is_our_qemu(pid, box_dir):
-                        box.vmm = Vmm(pid, box_dir / "qmp.sock")
+                    box.vmm = QemuVm.adopt(box_dir)
+                    if box.vmm is not None:
                         box.mux = AgentMux()
                         try:
                             await box.mux.start(
-                                box_dir / "serial.sock", box_dir / "agent.sock",
+                                box.vmm.agent_socket, box_dir / "agent.sock",
                                 hello=Hello.now(sid), timeout_s=10,
                             )  # fmt: skip
                             adopted = True
@@ -790,6 +773,20 @@ async def _settled(fn: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
+def _erofs_extra_devices(meta: Path) -> int:
+    """The ``extra_devices`` count of an EROFS superblock (offset 1024; the field
+    at +86, le16, per erofs_fs.h); 0 when unreadable."""
+    try:
+        with open(meta, "rb") as fh:
+            fh.seek(1024)
+            sb = fh.read(88)
+    except OSError:
+        return 0
+    if len(sb) < 88 or sb[:4] != b"\xe2\xe1\xf5\xe0":
+        return 0
+    return int.from_bytes(sb[86:88], "little")
+
+
 def _rw(path: Path) -> Disk:
     return Disk(path, "sfdisk", readonly=False)
 
@@ -798,22 +795,6 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _is_our_qemu(pid: int, box_dir: Path) -> bool:
-    """Whether ``pid`` is the QEMU of ``box_dir`` (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"\0" + str(box_dir / "pid").encode() + b"\0" in b"\0" + cmdline
 
 
 def _host_memory_mb() -> int:

@@ -1,7 +1,9 @@
-"""QEMU as the VMM of the ``microvm`` and ``vm`` kinds: command lines, launch, QMP.
+"""QEMU as the VMM of the ``microvm`` and ``vm`` kinds: the driver behind driver.py.
 
-One :class:`VmConfig` describes a guest; :func:`qemu_argv` renders it for a
-machine type, which is the only place the two kinds differ:
+:func:`launch` starts QEMU for a :class:`~sandfleet.backends.vm.driver.VmConfig`
+and returns a :class:`QemuVm` (a ``VmProcess``: restore, save, stop, kill over
+QMP). :func:`qemu_argv` renders the config for a machine type, the only place
+the two kinds differ:
 
 - ``microvm``: QEMU's microvm machine, virtio-mmio devices found through ACPI
   (Debian's cloud kernel has no ``virtio_mmio.device=`` command-line support),
@@ -15,8 +17,8 @@ into either a private RAM block or a file mapping; the template's clones map
 its RAM file copy-on-write (``share=off``) with ``x-ignore-shared``, the
 technique of Kata Containers' VM templating.
 
-A driver for another VMM (Firecracker) would be a sibling module producing a
-running :class:`Vmm` for the backend; nothing here is QEMU-agnostic on purpose.
+Restores and saves are QEMU migrations to and from a file (``exec:cat``:
+QEMU 7.2 has no ``file:`` URI).
 """
 
 from __future__ import annotations
@@ -27,19 +29,17 @@ import logging
 import os
 import shlex
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
+from sandfleet.backends.vm.driver import VmConfig
+from sandfleet.backends.vm.mux import bind_private
 from sandfleet.wire.errors import Internal, Unavailable
 
-__all__ = ["Accel", "Disk", "Machine", "VmConfig", "Vmm", "qemu_argv"]
-
-Machine = Literal["microvm", "q35"]
-Accel = Literal["kvm", "tcg"]
+__all__ = ["QemuVm", "launch", "qemu_argv"]
 
 # It logs each refused connect as an error; a starting QEMU refuses a few by design.
 logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
@@ -49,47 +49,10 @@ logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 TCG_TB_MIB = 64
 
 
-@dataclass(frozen=True)
-class Disk:
-    """A raw image attached as virtio-blk; the guest finds it by ``serial``."""
-
-    path: Path
-    serial: str
-    readonly: bool = True
-
-
-@dataclass(frozen=True)
-class VmConfig:
-    """Everything QEMU's command line says about one guest.
-
-    ``memory_mb`` is guest RAM, MiB. ``memory_file``: back RAM by this file
-    (``shared``: writes reach it, for a template; else copy-on-write), or None
-    for anonymous RAM. ``incoming``: start paused, waiting for a migration
-    stream (restore). Paths are host paths. ``agent_fd`` and ``qmp_fd`` are
-    listening Unix sockets QEMU inherits (bound by the node through a directory
-    fd: a deep state directory passes ``sun_path``'s 108 bytes).
-    """
-
-    machine: Machine
-    accel: Accel
-    vcpus: int
-    memory_mb: int
-    kernel: Path
-    initramfs: Path
-    cmdline: str
-    disks: list[Disk]
-    agent_fd: int
-    qmp_fd: int
-    console: Path
-    pidfile: Path
-    memory_file: Path | None = None
-    memory_shared: bool = False
-    incoming: bool = False
-    extra: list[str] = field(default_factory=list)
-
-
-def qemu_argv(binary: str, cfg: VmConfig) -> list[str]:
-    """The argument vector that starts ``cfg`` (QEMU 7.2 syntax)."""
+def qemu_argv(binary: str, cfg: VmConfig, agent_fd: int, qmp_fd: int) -> list[str]:
+    """The argument vector that starts ``cfg`` (QEMU 7.2 syntax). ``agent_fd``
+    and ``qmp_fd`` are listening Unix sockets QEMU inherits: bound by us through
+    a directory fd, a deep run directory never meets ``sun_path``'s 108 bytes."""
     mmio = cfg.machine == "microvm"
     machine = "microvm,acpi=on,memory-backend=mem" if mmio else "q35,memory-backend=mem"
     accel = f"tcg,tb-size={TCG_TB_MIB}" if cfg.accel == "tcg" else "kvm"
@@ -115,14 +78,14 @@ def qemu_argv(binary: str, cfg: VmConfig) -> list[str]:
         "-initrd", str(cfg.initramfs),
         "-append", cfg.cmdline,
         "-nic", "none",
-        "-chardev", f"file,id=console,path={_opt(cfg.console)}",
+        "-chardev", f"file,id=console,path={_opt(cfg.run_dir / 'console.log')}",
         "-serial", "chardev:console",
-        "-chardev", f"socket,id=agent,fd={cfg.agent_fd},server=on,wait=off",
+        "-chardev", f"socket,id=agent,fd={agent_fd},server=on,wait=off",
         "-device", f"virtio-serial-{suffix},id=vser",
         "-device", "virtserialport,bus=vser.0,chardev=agent,name=sandfleet.agent",
-        "-chardev", f"socket,id=qmp,fd={cfg.qmp_fd},server=on,wait=off",
+        "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
-        "-pidfile", str(cfg.pidfile),
+        "-pidfile", str(cfg.run_dir / "pid"),
     ]  # fmt: skip
     for i, disk in enumerate(cfg.disks):
         drive = f"if=none,id=d{i},file={_opt(disk.path)},format=raw,file.locking=off"
@@ -141,8 +104,34 @@ def _opt(path: Path) -> str:
     return str(path).replace(",", ",,")
 
 
-class Vmm:
-    """A running QEMU process and its QMP connection.
+async def launch(binary: str, cfg: VmConfig, *, cgroup_procs: list[Path]) -> QemuVm:
+    """Start QEMU for ``cfg`` in its own session (it outlives the node agent)
+    with every ``cgroup.procs`` file in ``cgroup_procs`` joined before QEMU
+    exists, so all of it is charged there. Its output goes to
+    ``run_dir/qemu.log``. Raises OSError when it cannot be started."""
+    run = cfg.run_dir
+    with contextlib.ExitStack() as stack:
+        listeners = [bind_private(run / name) for name in ("serial.sock", "qmp.sock")]
+        for sock in listeners:
+            stack.callback(sock.close)  # QEMU holds its own copies
+        fds = (listeners[0].fileno(), listeners[1].fileno())
+        join = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done'
+        argv = ["/bin/sh", "-c", join + '; shift; exec "$@"', "sh", *map(str, cgroup_procs), "--"]
+        argv += qemu_argv(binary, cfg, *fds)
+        with open(run / "qemu.log", "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                pass_fds=fds,
+            )
+    return QemuVm(process.pid, run, process)
+
+
+class QemuVm:
+    """A running QEMU process and its QMP connection (a :class:`VmProcess`).
 
     ``pid`` is QEMU's; the process runs in its own session so it outlives the
     node agent. Methods raise ``Internal`` when QEMU answers with an error and
@@ -150,13 +139,50 @@ class Vmm:
     """
 
     def __init__(
-        self, pid: int, qmp_socket: Path, process: asyncio.subprocess.Process | None = None
+        self, pid: int, run_dir: Path, process: asyncio.subprocess.Process | None = None
     ) -> None:
         self.pid = pid
-        self.qmp_socket = qmp_socket
+        self.run_dir = run_dir
+        self.qmp_socket = run_dir / "qmp.sock"
+        self.agent_socket = run_dir / "serial.sock"
         #: Set when QEMU is our child (not when adopted after a restart).
         self.process = process
         self._qmp: QMPClient | None = None
+
+    @classmethod
+    def adopt(cls, run_dir: Path) -> QemuVm | None:
+        """The QEMU still running for ``run_dir`` (after a node agent restart), if any:
+        its pid file names it and its command line names that pid file."""
+        try:
+            pid = int((run_dir / "pid").read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        if b"\0" + str(run_dir / "pid").encode() + b"\0" not in b"\0" + cmdline:
+            return None  # a recycled pid
+        return cls(pid, run_dir)
+
+    async def wait(self) -> int | None:
+        if self.process is not None:
+            return await self.process.wait()
+        while self.alive():
+            await asyncio.sleep(0.05)
+        return None
+
+    async def restore(self, state: Path, *, template: bool, timeout_s: float) -> None:
+        """x-ignore-shared for a template: its RAM is the memory file, not in the stream."""
+        await self.connect()
+        await self.set_capabilities(x_ignore_shared=template)
+        await self.migrate_in(state, timeout_s)
+        await self.resume()
+
+    async def save(self, state: Path, *, template: bool, timeout_s: float) -> None:
+        await self.set_capabilities(x_ignore_shared=template)
+        await self.migrate_out(state, timeout_s)
+
+    async def stop_vcpus(self) -> None:
+        """Stop the guest's vCPUs; QEMU drains and flushes its block layer first."""
+        await self.command("stop")
 
     async def connect(self, timeout_s: float = 10.0) -> None:
         """Open QMP, retrying while QEMU creates its socket."""
