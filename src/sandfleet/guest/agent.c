@@ -817,9 +817,8 @@ static void start_failed(int c, struct cmd *cm, int e, int cred_fail, const char
 }
 
 /* The "oom_kill N" count in --oom-events (cgroup v2 memory.events, v1
- * memory.oom_control) plus the early OOM killer's kills (see psi_tick), or -1
- * without the option or when the file is unreadable. */
-static long long oom_kills(void)
+ * memory.oom_control), or -1 without the option or when unreadable. */
+static long long kernel_oom_kills(void)
 {
 	char buf[1024];
 	int fd = oom_events ? open(oom_events, O_RDONLY | O_CLOEXEC) : -1;
@@ -828,10 +827,17 @@ static long long oom_kills(void)
 	close(fd);
 	if (n <= 0) return -1;
 	buf[n] = 0;
-	long long own = psi_on && psi_kills ? (long long)__atomic_load_n(psi_kills, __ATOMIC_SEQ_CST) : 0;
 	for (char *line = buf; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
-		if (!strncmp(line, "oom_kill ", 9)) return strtoll(line + 9, NULL, 10) + own;
+		if (!strncmp(line, "oom_kill ", 9)) return strtoll(line + 9, NULL, 10);
 	return -1;
+}
+
+/* The kernel's OOM kills plus PID 1's early OOM killer's (see psi_tick), or -1. */
+static long long oom_kills(void)
+{
+	long long k = kernel_oom_kills();
+	if (k < 0 || !psi_on || !psi_kills) return k;
+	return k + (long long)__atomic_load_n(psi_kills, __ATOMIC_SEQ_CST);
 }
 
 static void op_exec(int c, const uint8_t *req, uint32_t n)
@@ -2594,11 +2600,13 @@ static int listen_on(const char *path)
  * that file belongs to. Past its memory limit a process can thrash for a
  * minute under TCG before the kernel's OOM killer acts: limit reclaim keeps
  * evicting the executables' page cache and they keep faulting it back in. As
- * systemd-oomd and earlyoom do, we act first: when all of the cgroup's tasks
- * were stalled on memory ("full") for PSI_FULL_PCT% of PSI_WINDOW_MS, the
- * process with the largest resident set gets SIGKILL. Never PID 1 or the agent
- * (real uid GUARD_UID: handlers, supervisors, the mux). One small read per
- * tick; /proc is scanned only to pick whom to kill. */
+ * userspace OOM killers do (systemd-oomd: PSI, 60% by default; earlyoom: the
+ * largest process), we act first: when all of the cgroup's tasks were stalled
+ * on memory ("full") for PSI_FULL_PCT% of PSI_WINDOW_MS, the process with the
+ * largest resident set gets SIGKILL. Never PID 1 or the agent (real uid
+ * GUARD_UID: handlers, supervisors, the mux). One small read per tick (and
+ * memory.events while the cgroup stalls); /proc is read only to pick whom to
+ * kill. */
 #define PSI_TICK_MS 250
 #define PSI_WINDOW_MS 2000
 #define PSI_FULL_PCT 60
@@ -2610,7 +2618,8 @@ static struct {
 	uint64_t t, full; /* monotonic ns; "full" stall total, us */
 } psi_s[PSI_SAMPLES];  /* oldest first */
 static int psi_n;
-static uint64_t psi_next; /* monotonic ns: the next sample is due */
+static uint64_t psi_next;       /* monotonic ns: the next sample is due */
+static long long psi_kernel_ooms; /* the kernel's OOM kills, as last read */
 
 /* A small file's contents, NUL-terminated; bytes read or -1. */
 static ssize_t read_small(const char *path, char *buf, size_t cap)
@@ -2643,6 +2652,7 @@ static void psi_init(void)
 	    snprintf(procs_path, sizeof procs_path, "%.*s/cgroup.procs", dir, d) >= (int)sizeof procs_path)
 		return;
 	psi_on = psi_full() >= 0;
+	psi_kernel_ooms = kernel_oom_kills();
 }
 
 /* Resident bytes of `pid` if it may be killed and has more than `than`, else 0. */
@@ -2708,6 +2718,13 @@ static uint64_t psi_tick(void)
 	if (full < 0) return PSI_TICK_MS * NS_PER_MS;
 	if (psi_n && (now < psi_s[psi_n - 1].t || (uint64_t)full < psi_s[psi_n - 1].full))
 		psi_n = 0; /* a clock or counter that went back (a restored snapshot?): start over */
+	/* While it stalls, the kernel's OOM kills too: the stall that led to one is
+	 * no reason to kill another process (its victim has no RSS left by now),
+	 * so a new window starts. Idle, this costs nothing. */
+	if (!psi_n || (uint64_t)full != psi_s[psi_n - 1].full) {
+		long long k = kernel_oom_kills();
+		if (k != psi_kernel_ooms) psi_kernel_ooms = k, psi_n = 0;
+	}
 	if (psi_n == PSI_SAMPLES) memmove(psi_s, psi_s + 1, sizeof psi_s - sizeof *psi_s), psi_n--;
 	psi_s[psi_n].t = now;
 	psi_s[psi_n++].full = (uint64_t)full;
@@ -2789,6 +2806,11 @@ static void serve(int ls)
 			int n = snprintf((char *)msg + 9, sizeof msg - 9, "agent cannot fork: %s", strerror(errno));
 			put32(msg, (uint32_t)(4 + n));
 			send(c, msg, 9 + (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL);
+			/* Closing with the request unread would reset the connection, and
+			 * the client (or the VM's mux) could lose the answer: read what came. */
+			static uint8_t unread[4096];
+			while (recv(c, unread, sizeof unread, MSG_DONTWAIT) > 0) {
+			}
 		}
 		close(c);
 	}

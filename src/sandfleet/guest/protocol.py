@@ -21,9 +21,31 @@ Op frames (node -> agent) and their fields:
   ``u8 status (0 exited, 1 signaled, 2 timeout, 3 oom) | i32 exit code | i32 signal |
   u64 stdout dropped | u64 stderr dropped | u64 duration ns``.
   Status 3 only with ``--oom-events PATH``: the ``oom_kill N`` count in PATH
-  (cgroup v2 ``memory.events``, v1 ``memory.oom_control``) grew while the
-  command ran and the command failed (signaled, or a non-zero exit such as a
-  shell's 137); it decodes as ``oom`` with no exit code and signal 9.
+  (cgroup v2 ``memory.events``, v1 ``memory.oom_control``) plus the early
+  OOM killer's kills (below) grew while the command ran and the command
+  failed (signaled, or a non-zero exit such as a shell's 137); it decodes as
+  ``oom`` with no exit code and signal 9.
+
+  Early OOM killer (with ``--oom-events``, when PATH's directory has a
+  readable cgroup v2 ``memory.pressure``; else it stays off and PID 1 never
+  wakes without cause). Past its limit a process can thrash for a minute
+  under TCG before the kernel's OOM killer acts, limit reclaim evicting and
+  refaulting the executables' page cache. So PID 1 kills first, as userspace
+  OOM killers do: driven by PSI like systemd-oomd (60% is its default memory
+  pressure limit, DefaultMemoryPressureLimit, held for 30 s there; a
+  sandbox's commands are short, hence 2 s here), taking the largest process
+  like earlyoom. Every 250 ms PID 1 reads the ``full ... total=`` line of
+  ``memory.pressure`` (microseconds during which every non-idle task of the
+  cgroup was stalled on memory). When it grew by at least 60% of a window of
+  at least 2 s (1.2 s of 2 s), PID 1 SIGKILLs the process in
+  ``cgroup.procs`` with the largest resident set (``/proc/<pid>/statm``),
+  counts it for status 3, and logs ``sandfleet-agent: memory thrashing (N%
+  full stall over 2 s): killed pid P (comm, X MiB resident)`` on its stderr.
+  Never killed: PID 1 and every process whose real uid is the agent's guard
+  uid (handlers, supervisors, the mux). After a kill, or when the kernel's
+  own ``oom_kill`` count grows during a stall (its victim's stall is no
+  reason for a second kill), the window starts over: no kill for 2 s.
+
   Output cap: the first ceil(cap/2) bytes of a stream are streamed live, the
   last floor(cap/2) are kept in a ring and sent just before ``X``; the middle
   is dropped and counted. Concatenating the ``1`` frames gives head + tail.
