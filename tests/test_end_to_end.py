@@ -70,8 +70,8 @@ def test_clear_errors(deployment: LocalDeployment) -> None:
             client.create(image="no/such-image:1")
         with pytest.raises(errors.InvalidArgument, match="memory_mb"):
             client.create(image=BUSYBOX_IMAGE, memory_mb=1)
-        with pytest.raises(errors.InvalidArgument, match="container"):
-            client.create(kind="vm", image=BUSYBOX_IMAGE)
+        with pytest.raises(errors.InvalidArgument, match="microvm"):
+            client.create(kind="vmm", image=BUSYBOX_IMAGE)  # the error lists the kinds
         with pytest.raises(errors.NotFound):
             client.get("sb-000000000000-local")
         with client.create(image=BUSYBOX_IMAGE) as sb, pytest.raises(errors.InvalidArgument):
