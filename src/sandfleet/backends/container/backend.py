@@ -50,10 +50,20 @@ from typing import Any, TypeVar
 from sandfleet.backends.base import BoxHandle, BoxInit, SandboxSpec
 from sandfleet.backends.container.bundle import AGENT_LISTEN_FD, oci_config
 from sandfleet.backends.container.cgroups import CgroupLayout, detect_layout, remove_cgroups
-from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages
+from sandfleet.backends.container.disk import DiskImages
 from sandfleet.backends.container.freezer import Freezer
 from sandfleet.backends.container.layers import LayerCache
 from sandfleet.backends.container.netns import ensure_loopback_up_async
+from sandfleet.backends.limits import (
+    DISK_MIN_MB,
+    ID_RE,
+    PIDS_MAX,
+    PIDS_MIN,
+    NodeLimits,
+    host_memory_mb,
+    log_tail,
+    validate_spec,
+)
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
 from sandfleet.wire.errors import (
     AlreadyExists,
@@ -69,35 +79,12 @@ __all__ = ["ContainerBackend"]
 
 T = TypeVar("T")
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_LOG_TAIL = 2000
-MEMORY_MIN_MB = 16
-PIDS_MIN, PIDS_MAX = 8, 65536
-CPU_MIN = 0.01
 CPU_OVERCOMMIT = 1  # a quota beyond the node's cores would limit nothing: refuse it
-
-
-def _host_memory_mb() -> int:
-    with open("/proc/meminfo", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    raise Internal("MemTotal missing from /proc/meminfo")
 
 
 def _filesystems() -> set[str]:
     with open("/proc/filesystems", encoding="ascii") as fh:
         return {line.split()[-1] for line in fh if line.strip()}
-
-
-def _tail(path: Path, limit: int = _LOG_TAIL) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            return fh.read().decode("utf-8", errors="replace").strip()
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -165,7 +152,7 @@ class ContainerBackend:
         self.freezer = Freezer(self.cgroups)
         self._boxes: dict[str, _Box] = {}
         self._busy: set[str] = set()  # ids with a create or destroy in flight
-        self._memory_max_mb = _host_memory_mb()
+        self._memory_max_mb = host_memory_mb()
         self._cpu_max = float((os.cpu_count() or 1) * CPU_OVERCOMMIT)
         st = os.statvfs(self.state_dir)
         self._disk_max_mb = st.f_blocks * st.f_frsize >> 20
@@ -217,38 +204,9 @@ class ContainerBackend:
     # ------------------------------------------------------------------ create
 
     def _validate(self, spec: SandboxSpec) -> None:
-        if not _ID_RE.match(spec.id):
-            raise InvalidArgument(
-                f"sandbox id {spec.id!r} must match {_ID_RE.pattern} (letters, digits, _.-)"
-            )
-        if spec.kind != self.kind:
-            raise InvalidArgument(f"the container backend cannot create kind {spec.kind!r}")
-        if not spec.layers:
-            raise InvalidArgument("a container needs at least one layer")
-        if not MEMORY_MIN_MB <= spec.memory_mb <= self._memory_max_mb:
-            raise InvalidArgument(
-                f"memory_mb={spec.memory_mb} out of range: "
-                f"{MEMORY_MIN_MB}..{self._memory_max_mb} MiB on this node"
-            )
-        if not CPU_MIN <= spec.cpu <= self._cpu_max:
-            raise InvalidArgument(
-                f"cpu={spec.cpu} out of range: {CPU_MIN}..{self._cpu_max:g} cores on this node"
-            )
-        if not PIDS_MIN <= spec.pids_limit <= PIDS_MAX:
-            raise InvalidArgument(
-                f"pids_limit={spec.pids_limit} out of range: {PIDS_MIN}..{PIDS_MAX}"
-            )
-        if spec.disk_mb is not None and not DISK_MIN_MB <= spec.disk_mb <= self._disk_max_mb:
-            raise InvalidArgument(
-                f"disk_mb={spec.disk_mb} out of range: {DISK_MIN_MB}..{self._disk_max_mb} MiB "
-                "on this node"
-            )
-        for k, v in spec.env.items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise InvalidArgument(
-                    f"environment variable {k!r}: names must be non-empty without '=' or NUL, "
-                    "values without NUL"
-                )
+        validate_spec(
+            spec, self.kind, NodeLimits(self._memory_max_mb, self._cpu_max, self._disk_max_mb)
+        )
 
     async def create(self, spec: SandboxSpec) -> BoxHandle:
         """Start a box and return once its agent answers.
@@ -289,7 +247,7 @@ class ContainerBackend:
             try:
                 return await self._start(spec, box)
             except BaseException as e:
-                tail = _tail(bundle / "log")
+                tail = log_tail(bundle / "log")
                 cleanup = ""
                 try:
                     await self._teardown(box)
@@ -467,7 +425,7 @@ class ContainerBackend:
         ``InvalidArgument`` for a malformed id and ``Internal`` when something
         could not be removed (the message names it).
         """
-        if not _ID_RE.match(sandbox_id):
+        if not ID_RE.match(sandbox_id):
             raise InvalidArgument(f"sandbox id {sandbox_id!r} is malformed")
         while sandbox_id in self._busy:  # a create or destroy of this id in flight
             await asyncio.sleep(0.005)
@@ -559,7 +517,7 @@ class ContainerBackend:
 
     def paused(self, sandbox_id: str) -> bool:
         """Whether the box is frozen (False for an unknown box)."""
-        if not _ID_RE.match(sandbox_id):
+        if not ID_RE.match(sandbox_id):
             return False
         return self.freezer.frozen(f"/sandfleet/{sandbox_id}")
 
@@ -616,7 +574,7 @@ class ContainerBackend:
 
         Read from memory.oom_control (cgroup v1) or memory.events (v2).
         """
-        if not _ID_RE.match(sandbox_id):
+        if not ID_RE.match(sandbox_id):
             return 0
         return self.cgroups.oom_kills(f"/sandfleet/{sandbox_id}")
 
@@ -657,7 +615,7 @@ class ContainerBackend:
         handles: list[BoxHandle] = []
         for st in states:
             sid = str(st.get("id", ""))
-            if not _ID_RE.match(sid) or sid in self._boxes or sid in self._busy:
+            if not ID_RE.match(sid) or sid in self._boxes or sid in self._busy:
                 continue
             bundle = self.sandboxes_dir / sid
             pid = int(st.get("pid") or 0)
@@ -690,7 +648,7 @@ class ContainerBackend:
         names = {p.name for p in self.sandboxes_dir.iterdir()}
         names |= {p.name for p in self.runc_root.iterdir() if p.is_dir()}
         for name in sorted(names):
-            if name not in self._boxes and name not in self._busy and _ID_RE.match(name):
+            if name not in self._boxes and name not in self._busy and ID_RE.match(name):
                 await self.destroy(name)
         if self.node_id:
             await self._sweep_cgroups()

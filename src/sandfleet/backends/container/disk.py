@@ -38,13 +38,12 @@ import struct
 import subprocess
 from pathlib import Path
 
+from sandfleet.backends.limits import DISK_MIN_MB
 from sandfleet.node.mounts import MS_NODEV, MS_NOSUID, mount
 from sandfleet.wire.errors import FailedPrecondition, Internal
 
 __all__ = ["DISK_MIN_MB", "DiskImages", "loop_devices_under", "sparse_copy"]
 
-#: The smallest writable layer: ext4 needs a few hundred KiB of metadata.
-DISK_MIN_MB = 4
 _BLOCK = 4096
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A

@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +42,17 @@ from typing import Any
 
 from sandfleet.backends.base import BoxHandle, SandboxSpec
 from sandfleet.backends.container.cgroups import detect_layout
-from sandfleet.backends.container.disk import DISK_MIN_MB, DiskImages, sparse_copy
+from sandfleet.backends.container.disk import DiskImages, sparse_copy
+from sandfleet.backends.limits import (
+    DISK_MIN_MB,
+    ID_RE,
+    PIDS_MAX,
+    PIDS_MIN,
+    NodeLimits,
+    host_memory_mb,
+    log_tail,
+    validate_spec,
+)
 from sandfleet.backends.vm.accel import AccelInfo, tcg_kernel_args
 from sandfleet.backends.vm.cgroup import VmCgroup
 from sandfleet.backends.vm.driver import Disk, Machine, VmConfig, VmProcess
@@ -64,10 +73,6 @@ from sandfleet.wire.errors import (
 
 __all__ = ["VmBackend"]
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-MEMORY_MIN_MB = 16
-PIDS_MIN, PIDS_MAX = 8, 65536
-CPU_MIN = 0.01
 #: Guest RAM beyond the sandbox's memory_mb: the guest kernel, its page tables
 #: and the agent live outside the sandbox's cgroup inside the guest, MiB.
 GUEST_OVERHEAD_MB = 96
@@ -83,8 +88,6 @@ MAX_TEMPLATES = 16
 #: virtio-mmio devices a microvm can use: QEMU offers 24 slots, but the 24th's
 #: interrupt never reaches the guest (measured). One is the agent's port.
 MICROVM_MAX_DISKS = 22
-#: Guest console lines shown in a failed create's error.
-_TAIL = 2000
 
 
 @dataclass
@@ -160,7 +163,7 @@ class VmBackend:
         self._boxes: dict[str, _Box] = {}
         self._busy: set[str] = set()
         self._template_locks: dict[str, asyncio.Lock] = {}
-        self._memory_max_mb = _host_memory_mb()
+        self._memory_max_mb = host_memory_mb()
         self._cpu_max = float(os.cpu_count() or 1)
         st = os.statvfs(self.state_dir)
         self._disk_max_mb = st.f_blocks * st.f_frsize >> 20
@@ -183,40 +186,11 @@ class VmBackend:
     # ------------------------------------------------------------------ create
 
     def _validate(self, spec: SandboxSpec) -> None:
-        if not _ID_RE.match(spec.id):
-            raise InvalidArgument(
-                f"sandbox id {spec.id!r} must match {_ID_RE.pattern} (letters, digits, _.-)"
-            )
-        if spec.kind != self.kind:
-            raise InvalidArgument(f"the {self.kind} backend cannot create kind {spec.kind!r}")
+        validate_spec(
+            spec, self.kind, NodeLimits(self._memory_max_mb, self._cpu_max, self._disk_max_mb)
+        )
         if spec.init is not None:
             raise InvalidArgument(f"a {self.kind} runs the in-sandbox agent only (no custom init)")
-        if not spec.layers:
-            raise InvalidArgument(f"a {self.kind} needs at least one layer")
-        if not MEMORY_MIN_MB <= spec.memory_mb <= self._memory_max_mb:
-            raise InvalidArgument(
-                f"memory_mb={spec.memory_mb} out of range: "
-                f"{MEMORY_MIN_MB}..{self._memory_max_mb} MiB on this node"
-            )
-        if not CPU_MIN <= spec.cpu <= self._cpu_max:
-            raise InvalidArgument(
-                f"cpu={spec.cpu} out of range: {CPU_MIN}..{self._cpu_max:g} cores on this node"
-            )
-        if not PIDS_MIN <= spec.pids_limit <= PIDS_MAX:
-            raise InvalidArgument(
-                f"pids_limit={spec.pids_limit} out of range: {PIDS_MIN}..{PIDS_MAX}"
-            )
-        if spec.disk_mb is not None and not DISK_MIN_MB <= spec.disk_mb <= self._disk_max_mb:
-            raise InvalidArgument(
-                f"disk_mb={spec.disk_mb} out of range: {DISK_MIN_MB}..{self._disk_max_mb} MiB "
-                "on this node"
-            )
-        for k, v in spec.env.items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise InvalidArgument(
-                    f"environment variable {k!r}: names must be non-empty without '=' or NUL, "
-                    "values without NUL"
-                )
         disks = 1 + sum(2 if x.data is not None else 1 for x in spec.layers)
         if self.machine == "microvm" and disks > MICROVM_MAX_DISKS:
             raise InvalidArgument(
@@ -261,7 +235,7 @@ class VmBackend:
                 box_dir.mkdir(parents=True)
                 return await self._start(spec, box, disk_mb)
             except BaseException as e:
-                tail = _tail(box_dir / "console.log") or _tail(box_dir / "qemu.log")
+                tail = log_tail(box_dir / "console.log") or log_tail(box_dir / "qemu.log")
                 cleanup = ""
                 try:
                     await self._teardown(box)
@@ -461,7 +435,7 @@ class VmBackend:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        console = _tail(box.dir / "console.log", 800)
+        console = log_tail(box.dir / "console.log", 800)
         raise Internal(
             f"QEMU exited with status {exited.result()} while starting {box.id}"
             f"{_log_hint(box.dir / 'qemu.log')}"
@@ -531,7 +505,7 @@ class VmBackend:
         Raises ``InvalidArgument`` for a malformed id and ``Internal`` when
         something could not be removed.
         """
-        if not _ID_RE.match(sandbox_id):
+        if not ID_RE.match(sandbox_id):
             raise InvalidArgument(f"sandbox id {sandbox_id!r} is malformed")
         while sandbox_id in self._busy:
             await asyncio.sleep(0.005)
@@ -711,7 +685,7 @@ class VmBackend:
         handles = []
         for box_dir in sorted(self.sandboxes_dir.iterdir()):
             sid = box_dir.name
-            if sid in self._boxes or sid in self._busy or not _ID_RE.match(sid):
+            if sid in self._boxes or sid in self._busy or not ID_RE.match(sid):
                 continue
             box = _Box(id=sid, dir=box_dir)
             try:
@@ -797,24 +771,6 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _host_memory_mb() -> int:
-    with open("/proc/meminfo", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    return 0
-
-
-def _tail(path: Path, limit: int = _TAIL) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            return fh.read().decode("utf-8", errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def _log_hint(path: Path) -> str:
-    tail = _tail(path, 500)
+    tail = log_tail(path, 500)
     return f": {tail}" if tail else ""
