@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from sandfleet.node.mounts import mounts_under
@@ -108,37 +109,35 @@ def leftovers(state_dir: Path, *, only: set[str] | None = None) -> list[str]:
     return found
 
 
+def _argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process whose command line can be read."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+
+
 def _daemon_pids(state_dir: Path) -> list[int]:
     """On-demand FUSE daemons (sandfleet.ondemand) serving a node under ``state_dir``."""
     prefix = os.fsencode(os.path.realpath(state_dir)) + b"/"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"sandfleet.ondemand" in argv and any(a.startswith(prefix) for a in argv):
-            pids.append(int(entry.name))
-    return pids
+    return [
+        pid
+        for pid, argv in _argvs()
+        if b"sandfleet.ondemand" in argv and any(a.startswith(prefix) for a in argv)
+    ]
 
 
 def _qemu_pids(state_dir: Path) -> list[tuple[int, str]]:
     """QEMU processes of a VM under ``state_dir``, with the VM's directory name."""
     found = []
     needle = str(state_dir.resolve()).encode() + b"/"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not argv or not os.path.basename(argv[0]).startswith(b"qemu-system"):
+    for pid, argv in _argvs():
+        if not os.path.basename(argv[0]).startswith(b"qemu-system"):
             continue
         for flag, arg in itertools.pairwise(argv):
             if flag == b"-pidfile" and arg.startswith(needle):
                 name = os.path.basename(os.path.dirname(arg))
-                found.append((int(entry.name), name.decode(errors="replace")))
+                found.append((pid, name.decode(errors="replace")))
     return found

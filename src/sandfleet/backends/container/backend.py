@@ -64,6 +64,7 @@ from sandfleet.backends.limits import (
     log_tail,
     validate_spec,
 )
+from sandfleet.backends.threads import settled
 from sandfleet.node.mounts import MNT_DETACH, mount, mounts_under, umount
 from sandfleet.wire.errors import (
     AlreadyExists,
@@ -272,7 +273,7 @@ class ContainerBackend:
         # event loop, so creates in flight overlap instead of queueing behind them.
         disk = None
         if spec.init is None:
-            disk = await _settled(self.disks.make, bundle, spec.disk_mb or self._disk_max_mb)
+            disk = await settled(self.disks.make, bundle, spec.disk_mb or self._disk_max_mb)
         lowers = []
         for layer in spec.layers:
             name, point = self.layers.acquire(layer)
@@ -286,7 +287,7 @@ class ContainerBackend:
             # of them (which also gives overlayfs the two lower layers it needs).
             lowers.append(str(_mount_points(bundle / "points", spec.init)))
         # overlayfs wants the top layer first
-        await _settled(self._mount_rootfs, bundle, disk, list(reversed(lowers)))
+        await settled(self._mount_rootfs, bundle, disk, list(reversed(lowers)))
 
         cg_path = f"/sandfleet/{spec.id}"
         config = oci_config(
@@ -473,7 +474,7 @@ class ContainerBackend:
             problems += [f"cgroup {d} busy" for d in stuck]
         if runc_state.exists() and not problems:
             await asyncio.to_thread(shutil.rmtree, runc_state, True)
-        await _settled(_unmount_all, box.bundle)
+        await settled(_unmount_all, box.bundle)
         for name in box.layers:
             self.layers.release(name)
         box.layers = []
@@ -699,20 +700,6 @@ class ContainerBackend:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-async def _settled(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread; on cancellation, wait for it before re-raising.
-
-    Teardown after a cancelled create must see the mounts as they ended up, not
-    race a thread still making them.
-    """
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait({fut})
-        raise
 
 
 def _unmount_all(bundle: Path) -> None:

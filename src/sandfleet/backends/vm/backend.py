@@ -35,7 +35,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from sandfleet.backends.limits import (
     log_tail,
     validate_spec,
 )
+from sandfleet.backends.threads import settled
 from sandfleet.backends.vm.accel import AccelInfo, tcg_kernel_args
 from sandfleet.backends.vm.cgroup import VmCgroup
 from sandfleet.backends.vm.driver import Disk, Machine, VmConfig, VmProcess
@@ -638,7 +639,7 @@ class VmBackend:
         self._busy.add(sandbox_id)
         try:
             if box.record.paused:
-                await _settled(pack_disk_upper, box.dir / "disk.img", meta_file, exclude_regex,
+                await settled(pack_disk_upper, box.dir / "disk.img", meta_file, exclude_regex,
                                blob_file)  # fmt: skip
             else:
                 assert box.mux is not None and box.vmm is not None
@@ -646,7 +647,7 @@ class VmBackend:
                 try:
                     await box.vmm.stop_vcpus()
                     try:
-                        await _settled(pack_disk_upper, box.dir / "disk.img", meta_file,
+                        await settled(pack_disk_upper, box.dir / "disk.img", meta_file,
                                        exclude_regex, blob_file)  # fmt: skip
                     finally:
                         await box.vmm.resume()
@@ -734,17 +735,6 @@ class VmBackend:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-async def _settled(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a worker thread; on cancellation, wait for it before re-raising
-    (the guest must not run again while the host still reads its disk)."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait({fut})
-        raise
 
 
 def _erofs_extra_devices(meta: Path) -> int:

@@ -88,16 +88,6 @@ class VmCgroup:
         could not be removed (empty on success)."""
         return remove_cgroups(sorted(set(self.dirs().values())))
 
-    def memory_peak(self) -> int:
-        """Bytes charged now (v1 usage or v2 memory.current); 0 if unknown."""
-        d = self.dirs().get("memory")
-        if d is None:
-            return 0
-        for name in ("memory.current", "memory.usage_in_bytes"):
-            with contextlib.suppress(OSError, ValueError):
-                return int((d / name).read_text())
-        return 0
-
 
 def _read(path: Path) -> str:
     try:

@@ -13,7 +13,7 @@ device; it is not shipped, since it cannot run on these machines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -56,7 +56,6 @@ class VmConfig:
     memory_file: Path | None = None
     memory_shared: bool = False
     incoming: bool = False
-    extra: list[str] = field(default_factory=list)
 
 
 class VmProcess(Protocol):

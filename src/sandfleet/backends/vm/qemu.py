@@ -96,7 +96,7 @@ def qemu_argv(binary: str, cfg: VmConfig, agent_fd: int, qmp_fd: int) -> list[st
         argv += ["-drive", drive, "-device", f"virtio-blk-{suffix},drive=d{i},serial={disk.serial}"]
     if cfg.incoming:
         argv += ["-incoming", "defer"]
-    return argv + cfg.extra
+    return argv
 
 
 def _opt(path: Path) -> str:
